@@ -1,0 +1,287 @@
+"""`lfa` command line (Click): parse, call the stage functions, print. Exit codes: 0 ok, 1 failed run or
+findings, 2 usage or input error."""
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from . import UserError, __version__
+
+
+def user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            click.echo(f"lfa: error: {exc}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="lfa")
+def main():
+    """Fit a paper's full-SFT LLaMA-Factory recipe to your hardware, then keep the run alive.
+
+    \b
+    Example:
+      lfa detect
+      lfa generate --task pseudo2norm --hardware v100-32g -o recipes/mine
+      lfa train recipes/mine/train.yaml
+    """
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--save", type=click.Path(dir_okay=False), help="Save the hardware profile (YAML) for --hardware FILE.")
+@click.option("--no-network", is_flag=True, help="Skip the hub reachability check.")
+@user_errors
+def detect(as_json, save, no_network):
+    """GPUs, CPU, disk, installed training stack and hub reachability.
+
+    Example: lfa detect --save my-box.yaml && lfa generate --task pseudo2norm --hardware my-box.yaml
+    """
+    from .hardware import detect as run_detect, save_profile
+
+    report = run_detect(check_network=not no_network)
+    if save:
+        save_profile(report.profile, Path(save))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    p = report.profile
+    if p.has_gpu:
+        click.echo(f"GPUs: {p.gpus_per_node} x {p.gpu.name}, interconnect {p.interconnect}")
+        for g in report.gpus:
+            click.echo(f"  [{g['index']}] {g['name']}  {g['total_gib']:.1f} GiB total, {g['free_gib']:.1f} GiB free, "
+                       f"sm{g['compute_capability']}, bf16={'yes' if g['bf16'] else 'no'}, "
+                       f"fp16={'yes' if g['fp16'] else 'no'}, NVLink links={g['nvlink_links']}")
+    else:
+        click.echo("GPUs: none (CPU only)")
+    click.echo(f"CPU: {p.cpu_cores} cores, {p.ram_gib:.1f} GiB RAM; disk free: {report.disk_free_gib:.1f} GiB")
+    click.echo("software: " + ", ".join(f"{k} {v or '-'}" for k, v in report.software.items()))
+    hub = report.hub
+    reach = {True: "reachable", False: "NOT reachable", None: "not checked"}[hub["reachable"]]
+    click.echo(f"hub: {hub['endpoint']} {reach}; HF_ENDPOINT={hub['HF_ENDPOINT'] or '-'} "
+               f"HF_HUB_OFFLINE={hub['HF_HUB_OFFLINE'] or '-'}")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+
+
+@main.command("tasks")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def tasks_cmd(as_json):
+    """List the task definitions (templates/tasks/*.yaml)."""
+    from .tasks import list_tasks
+
+    tasks = list_tasks()
+    if as_json:
+        click.echo(json.dumps([{"name": t.name, "description": t.description, "default_model": t.default_model,
+                                "chat_template": t.chat_template, "hyperparameters": t.hyperparameters} for t in tasks],
+                              indent=2))
+        return
+    for t in tasks:
+        hp = t.hyperparameters
+        click.echo(f"{t.name:12s} {t.description}")
+        click.echo(f"{'':12s} model={t.default_model or '(--model)'} template={t.chat_template or '(--template)'} "
+                   f"lr={hp['learning_rate']} epochs={hp['num_train_epochs']} batch={hp['effective_batch_size']} "
+                   f"cutoff={hp['cutoff_len']}")
+
+
+@main.command("profiles")
+def profiles_cmd():
+    """List the built-in hardware profiles usable with --hardware NAME."""
+    from .hardware import builtin_profiles, load_profile
+
+    for name in builtin_profiles():
+        click.echo(f"{name:14s} {load_profile(name).description}")
+
+
+def _print_plan(gen_or_result, model, hardware) -> None:
+    result = gen_or_result
+    c = result.chosen
+    click.echo(f"plan: {c.plan.label()}  ({model.name}, {model.num_params / 1e9:.2f} B params, on {hardware.name})")
+    for key, why in c.plan.reasons.items():
+        click.echo(f"  {key}: {why}")
+    click.echo("memory per GPU (GiB):")
+    for item, gib in c.memory.items.items():
+        click.echo(f"  {gib:8.2f}  {item}")
+    limit = c.memory.limit_gib
+    click.echo(f"  {c.memory.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f})" if limit else ""))
+    if result.runners_up:
+        click.echo("runners-up:")
+        for r in result.runners_up:
+            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB  {r.tokens_per_s:10,.0f} tok/s")
+    if result.rejected:
+        click.echo("rejected (do not fit):")
+        for r in result.rejected[:3]:
+            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB")
+
+
+@main.command()
+@click.option("--task", required=True, help="Task name (see `lfa tasks`).")
+@click.option("--model", help="Local model folder or a catalog hub id (default: the task's model).")
+@click.option("--dataset", type=click.Path(), help="Alpaca-style jsonl (default: data/<task file> beside the recipe).")
+@click.option("--template", help="LLaMA-Factory chat template (default: the task's).")
+@click.option("--hardware", default="detect", show_default=True, help="Profile name (`lfa profiles`), file, or detect.")
+@click.option("--gpus", type=int, help="Use only this many GPUs of the profile.")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), help="Pin the precision.")
+@click.option("--allow-packing", is_flag=True, help="Let the planner pack rows (faster; a batch is no longer N rows).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a task hyper-parameter (learning_rate, effective_batch_size, max_steps...) or add an LF key.")
+@click.option("--save-steps", type=int, default=500, show_default=True)
+@click.option("--logging-steps", type=int, default=10, show_default=True)
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Recipe folder (default recipes/<task>).")
+@click.option("--force", is_flag=True, help="Overwrite files in the recipe folder.")
+@click.option("--check", is_flag=True, help="Regenerate every golden recipe in recipes/ and fail on drift.")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, sets, save_steps,
+             logging_steps, out_dir, force, check, as_json):
+    """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
+
+    Example: lfa generate --task pseudo2norm --model LLM4Binary/llm4decompile-1.3b-v2 --hardware v100-32g -o out/
+    """
+    from .recipe import GenerateRequest, generate as run_generate
+    from .render import write_recipe_dir
+
+    out = Path(out_dir or f"recipes/{task}")
+    args = ["--task", task] + (["--model", model] if model else []) + (["--dataset", dataset] if dataset else []) \
+        + (["--template", template] if template else []) + ["--hardware", hardware] \
+        + (["--gpus", str(gpus)] if gpus else []) + (["--precision", precision] if precision else []) \
+        + (["--allow-packing"] if allow_packing else []) + [x for s in sets for x in ("--set", s)]
+    request = GenerateRequest(task=task, out_dir=out, model=model, dataset=dataset, template=template,
+                              hardware=hardware, gpus=gpus, allow_packing=allow_packing, precision=precision,
+                              sets=tuple(sets), save_steps=save_steps, logging_steps=logging_steps,
+                              command="lfa generate " + shlex.join(args))
+    gen = run_generate(request)
+    written = write_recipe_dir(gen.files, out, force=force)
+    if as_json:
+        c = gen.result.chosen
+        click.echo(json.dumps({"files": [str(p) for p in written], "plan": c.plan.label(), "reasons": c.plan.reasons,
+                               "memory": c.memory.to_dict(), "predicted_tokens_per_s": c.tokens_per_s}, indent=2))
+        return
+    _print_plan(gen.result, gen.model, gen.hardware)
+    click.echo("wrote: " + ", ".join(str(p) for p in written))
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path())
+@click.option("--task")
+@click.option("--model")
+@click.option("--hardware", help="Profile name, file or detect (default: the recipe's).")
+@click.option("--allow-packing", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def estimate(recipe, task, model, hardware, allow_packing, as_json):
+    """Memory breakdown per GPU of RECIPE, or of the best plan for --task on --hardware.
+
+    Example: lfa estimate recipes/pseudo2norm/v100-32g/train.yaml
+    """
+    from .memory import estimate as run_estimate
+    from .model_spec import load_model_spec
+    from .planner import PlanOptions, plan
+    from .recipe_file import load_recipe, plan_from_recipe, recipe_hardware
+    from .hardware import load_profile
+    from .tasks import load_task
+
+    if recipe:
+        r = load_recipe(recipe)
+        hw = recipe_hardware(r, hardware)
+        p = plan_from_recipe(r, hw)
+        model_name = r.meta.get("model") or str(r.data.get("model_name_or_path"))
+        if not Path(model_name).is_dir() and (r.folder / model_name).is_dir():
+            model_name = str(r.folder / model_name)
+        spec = load_model_spec(model or model_name)
+        mem = run_estimate(spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None)
+        if as_json:
+            click.echo(json.dumps({"plan": p.label(), "model": spec.name, "params": spec.num_params, **mem.to_dict()}, indent=2))
+            return
+        click.echo(f"{r.path}: {p.label()} ({spec.name}, {spec.num_params / 1e9:.2f} B params, on {hw.name})")
+        for item, gib in mem.items.items():
+            click.echo(f"  {gib:8.2f}  {item}")
+        limit = mem.limit_gib
+        click.echo(f"  {mem.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f}): " + ("fits" if mem.fits else "DOES NOT FIT") if limit else ""))
+        sys.exit(0 if mem.fits else 1)
+    if not task:
+        raise UserError("give a RECIPE or --task")
+    t = load_task(task)
+    hw = load_profile(hardware or "detect")
+    spec = load_model_spec(model or t.default_model)
+    result = plan(spec, hw, t.effective_batch_size, t.cutoff_len, PlanOptions(allow_packing=allow_packing))
+    if as_json:
+        click.echo(json.dumps({"plan": result.chosen.plan.label(), "memory": result.chosen.memory.to_dict(),
+                               "runners_up": [{"plan": c.plan.label(), "memory": c.memory.to_dict(),
+                                               "tokens_per_s": c.tokens_per_s} for c in result.runners_up]}, indent=2))
+        return
+    _print_plan(result, spec, hw)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path())
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Where attempts are recorded (default runs/<name>).")
+@click.option("--name", help="Run name (default: the recipe folder's name).")
+@click.option("--max-attempts", type=int, default=4, show_default=True, help="Retry budget, the first try included.")
+@click.option("--allow-hparam-change", is_flag=True, help="Let a NaN remedy lower the learning rate.")
+@click.option("--json", "as_json", is_flag=True, help="JSON events on stdout instead of the progress line.")
+@click.option("--detach", is_flag=True, help="Run in the background, surviving logout; see lfa status/logs/stop.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="LLaMA-Factory key=value overrides.")
+@user_errors
+def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets):
+    """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
+
+    Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
+    """
+    from .runs import supervise, TrainRequest, start_detached
+
+    request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
+                           max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
+                           json_events=as_json, overrides=tuple(sets))
+    if detach:
+        run = start_detached(request)
+        click.echo(f"started run {run.name} in the background (pid {run.pid}); lfa status {run.dir} / lfa logs -f {run.dir}")
+        return
+    sys.exit(supervise(request))
+
+
+@main.command()
+@click.option("--dir", "root", type=click.Path(file_okay=False), default=".lfa/demo", show_default=True,
+              help="Where the tiny model, sample data, recipe and run go.")
+@click.option("--rows", type=int, default=256, show_default=True)
+@click.option("--max-steps", type=int, default=40, show_default=True)
+@user_errors
+def demo(root, rows, max_steps):
+    """Build the embedded default (tiny DeepSeek-Coder-shaped model + sample pseudo2norm data) and train it.
+
+    Runs on the CPU in about a minute: generate --hardware cpu, then lfa train, then prints the loss curve.
+    The demo lowers the effective batch to 8 and raises the learning rate (a random tiny model needs it);
+    both overrides are written as comments into the recipe.
+    """
+    from .demo import build_demo_assets
+    from .recipe import GenerateRequest, generate as run_generate
+    from .render import write_recipe_dir
+    from .runs import TrainRequest, supervise
+
+    root_path = Path(root)
+    model, data = build_demo_assets(root_path, rows)
+    out = root_path / "recipe"
+    sets = ("effective_batch_size=8", "learning_rate=1.0e-3", f"max_steps={max_steps}", "cutoff_len=1024")
+    gen = run_generate(GenerateRequest(task="pseudo2norm", out_dir=out, model=str(model), dataset=str(data),
+                                       hardware="cpu", sets=sets, save_steps=20, logging_steps=5,
+                                       command="lfa demo"))
+    write_recipe_dir(gen.files, out, force=True)
+    _print_plan(gen.result, gen.model, gen.hardware)
+    code = supervise(TrainRequest(recipe=out / "train.yaml", run_dir=root_path / "run", name="demo",
+                                  max_attempts=2, fresh=True))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Stage 1: what machine is this? Detect GPUs/CPU/disk/software, or load a named or saved profile."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import shutil
+import socket
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import UserError, templates_dir
+
+# Dense 16-bit tensor-core peak (TFLOP/s) by GPU name fragment; used when detecting a real card.
+_PEAK_TFLOPS = [("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("A100", 312.0, 2.0), ("A40", 149.7, 0.696),
+                ("A6000", 154.8, 0.768), ("L40", 181.0, 0.864), ("A10", 125.0, 0.6), ("V100", 125.0, 0.9),
+                ("T4", 65.0, 0.32), ("4090", 165.2, 1.0), ("3090", 71.0, 0.936)]
+
+SOFTWARE = ["llamafactory", "transformers", "torch", "deepspeed", "liger-kernel", "flash-attn",
+            "peft", "trl", "accelerate", "datasets"]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    vram_gib: float  # usable total memory per GPU
+    compute_capability: str  # "8.0"
+    peak_tflops_16bit: float = 0.0
+    hbm_tbps: float = 0.0
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
+    def bf16(self) -> bool:
+        # transformers' own check passes on Volta/Turing through emulation; lfa decides from the capability.
+        return self.cc >= (8, 0)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu: GPUSpec | None
+    interconnect: str = "none"  # nvlink | pcie | none
+    cpu_cores: int = 1
+    ram_gib: float = 0.0
+    description: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return max(1, self.nodes * self.gpus_per_node)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu is not None and self.gpus_per_node > 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
+    try:
+        gpu = data.get("gpu")
+        gpu_spec = GPUSpec(**{k: gpu[k] for k in gpu if k in {f.name for f in dataclasses.fields(GPUSpec)}}) if gpu else None
+        if gpu_spec is not None:
+            gpu_spec.cc  # validates "X.Y"
+        return HardwareProfile(
+            name=str(data.get("name", Path(source).stem)),
+            nodes=int(data.get("nodes", 1)),
+            gpus_per_node=int(data.get("gpus_per_node", 1 if gpu_spec else 0)),
+            gpu=gpu_spec,
+            interconnect=str(data.get("interconnect", "none")),
+            cpu_cores=int(data.get("cpu_cores", 1)),
+            ram_gib=float(data.get("ram_gib", 0.0)),
+            description=str(data.get("description", "")),
+        )
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None
+
+
+def builtin_profiles() -> dict[str, Path]:
+    return {p.stem: p for p in sorted((templates_dir() / "hardware").glob("*.yaml"))}
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A built-in name (v100-32g, h200, cpu, ...), a saved profile file (yaml/json), or 'detect'."""
+    if name_or_path == "detect":
+        return detect().profile
+    path = builtin_profiles().get(name_or_path) or Path(name_or_path)
+    if not path.is_file():
+        names = ", ".join(builtin_profiles())
+        raise UserError(f"no hardware profile '{name_or_path}': not a file and not one of: {names}, detect")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read hardware profile {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"hardware profile {path} must be a mapping, got {type(data).__name__}")
+    return profile_from_dict(data.get("profile", data), str(path))
+
+
+@dataclass
+class DetectReport:
+    profile: HardwareProfile
+    gpus: list[dict] = field(default_factory=list)  # per-GPU details: free memory, NVLink links
+    disk_free_gib: float = 0.0
+    software: dict[str, str | None] = field(default_factory=dict)
+    hub: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile.to_dict(), "gpus": self.gpus, "disk_free_gib": self.disk_free_gib,
+                "software": self.software, "hub": self.hub, "notes": self.notes}
+
+
+def _nvml_gpus() -> tuple[list[dict], str | None]:
+    try:
+        import pynvml
+    except ImportError:
+        return [], "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # no driver: a CPU machine
+        return [], f"NVML not available ({exc.__class__.__name__}): no NVIDIA driver"
+    gpus = []
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            links = 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    links += int(pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
+                except Exception:
+                    break
+            gpus.append({"index": index, "name": name, "total_gib": round(mem.total / 2**30, 2),
+                         "free_gib": round(mem.free / 2**30, 2), "compute_capability": f"{major}.{minor}",
+                         "bf16": (major, minor) >= (8, 0), "fp16": (major, minor) >= (5, 3), "nvlink_links": links})
+    finally:
+        pynvml.nvmlShutdown()
+    return gpus, None
+
+
+def _ram_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def installed_versions() -> dict[str, str | None]:
+    versions = {}
+    for dist in SOFTWARE:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions
+
+
+def hub_status(check_network: bool = True, timeout_s: float = 2.0) -> dict:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    status = {"HF_ENDPOINT": os.environ.get("HF_ENDPOINT"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE"),
+              "endpoint": endpoint, "reachable": None}
+    if check_network:
+        url = urllib.parse.urlparse(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+            status["reachable"] = True
+        except OSError as exc:
+            status["reachable"] = False
+            status["error"] = f"{exc.__class__.__name__}: {exc}"
+    return status
+
+
+def gpu_spec_from_nvml(info: dict) -> GPUSpec:
+    peak, hbm = 0.0, 0.0
+    for fragment, tflops, tbps in _PEAK_TFLOPS:
+        if fragment in info["name"]:
+            peak, hbm = tflops, tbps
+            break
+    return GPUSpec(name=info["name"], vram_gib=info["total_gib"], compute_capability=info["compute_capability"],
+                   peak_tflops_16bit=peak, hbm_tbps=hbm)
+
+
+def detect(check_network: bool = True, disk_path: str = ".") -> DetectReport:
+    gpus, note = _nvml_gpus()
+    notes = [note] if note else []
+    if gpus:
+        names = {g["name"] for g in gpus}
+        if len(names) > 1:
+            notes.append(f"mixed GPU models {sorted(names)}: planning for the smallest")
+        smallest = min(gpus, key=lambda g: g["total_gib"])
+        nvlink = all(g["nvlink_links"] > 0 for g in gpus) and len(gpus) > 1
+        profile = HardwareProfile(name="detected", nodes=1, gpus_per_node=len(gpus), gpu=gpu_spec_from_nvml(smallest),
+                                  interconnect="nvlink" if nvlink else ("pcie" if len(gpus) > 1 else "none"),
+                                  cpu_cores=os.cpu_count() or 1, ram_gib=round(_ram_gib(), 1),
+                                  description=f"{len(gpus)}x {smallest['name']}")
+    else:
+        notes.append("no GPU found: reporting the CPU; recipes will train in fp32 on the CPU")
+        profile = HardwareProfile(name="detected", nodes=1, gpus_per_node=0, gpu=None, cpu_cores=os.cpu_count() or 1,
+                                  ram_gib=round(_ram_gib(), 1), description="CPU only")
+    try:
+        disk_free = shutil.disk_usage(disk_path).free / 2**30
+    except OSError:
+        disk_free = 0.0
+    return DetectReport(profile=profile, gpus=gpus, disk_free_gib=round(disk_free, 1), software=installed_versions(),
+                        hub=hub_status(check_network), notes=notes)
+
+
+def save_profile(profile: HardwareProfile, path: Path) -> None:
+    path.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))

@@ -1,0 +1,87 @@
+"""Stage 7: the environment and command that start `llamafactory-cli train`, and the subprocess itself."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Plan
+from .plugin import boot_dir
+
+# NVLink multicast can wedge shared hosts; NCCL, PyTorch and NVSHMEM each need it off explicitly.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """One exported variable, its value (shell syntax allowed in launch.sh) and why it is set."""
+    name: str
+    value: str
+    why: str
+
+
+def launch_env(plan: Plan, offline: bool, master_port: int = 29500) -> list[LaunchEnv]:
+    """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them."""
+    env = [LaunchEnv("DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers")]
+    if offline:
+        env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
+    distributed = plan.deepspeed is not None or plan.world_size > 1
+    if distributed:
+        env += [
+            LaunchEnv("FORCE_TORCHRUN", "1", "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself"),
+            LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
+            LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
+            LaunchEnv("NODE_RANK", "${NODE_RANK:-0}" if plan.nodes > 1 else "0", "this node's rank"),
+            LaunchEnv("MASTER_ADDR", "${MASTER_ADDR:-127.0.0.1}", "rendezvous host (node 0)"),
+            LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
+        ]
+        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    if plan.alloc_conf:
+        if distributed:
+            env.append(LaunchEnv("OPTIM_TORCH", "0", "otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children"))
+        env.append(LaunchEnv("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf, "allocator setting chosen by lfa (fragmentation)"))
+    return env
+
+
+def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
+    """Apply launch_env entries to a copy of the environment, expanding the ${X:-default} forms."""
+    env = dict(os.environ if base is None else base)
+    for entry in entries:
+        value = entry.value
+        if value.startswith("${") and ":-" in value:
+            name, default = value[2:-1].split(":-", 1)
+            value = env.get(name, default)
+        env[entry.name] = value
+    boot = str(boot_dir())
+    env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def llamafactory_command(recipe: Path, overrides: list[str]) -> list[str]:
+    cli = Path(sys.executable).with_name("llamafactory-cli")
+    program = [str(cli)] if cli.exists() else ["llamafactory-cli"]
+    return program + ["train", str(recipe.name)] + list(overrides)
+
+
+def start(command: list[str], cwd: Path, env: dict[str, str], log_file) -> subprocess.Popen:
+    """Start the trainer in its own process group (so stop/kill reaches torchrun's children too)."""
+    return subprocess.Popen(command, cwd=str(cwd), env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 20.0) -> int:
+    """SIGINT the whole group (the trainer saves and exits), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return process.wait()

@@ -1,0 +1,123 @@
+"""Stage 4: per-GPU memory of a full-SFT plan, as a breakdown, sized for the longest sequence (cutoff_len)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import yaml
+
+from . import templates_dir
+from .model_spec import ModelSpec
+from .plan import Plan
+
+GIB = 2**30
+DEFAULT_HEADROOM = 0.12
+
+
+@lru_cache(maxsize=1)
+def coefficients() -> dict:
+    return yaml.safe_load((templates_dir() / "memory_model.yaml").read_text())
+
+
+@dataclass
+class MemoryBreakdown:
+    items: dict[str, float] = field(default_factory=dict)  # GiB per GPU, allocated by PyTorch
+    reserved_gib: float = 0.0  # what the caching allocator holds at peak
+    cpu_offload_gib: float = 0.0  # host memory that DeepSpeed offload needs
+    budget_gib: float | None = None  # usable per-GPU memory (None on CPU)
+    headroom: float = DEFAULT_HEADROOM
+
+    @property
+    def allocated_gib(self) -> float:
+        return sum(self.items.values())
+
+    @property
+    def limit_gib(self) -> float | None:
+        return None if self.budget_gib is None else self.budget_gib * (1.0 - self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.limit_gib is None or self.reserved_gib <= self.limit_gib
+
+    @property
+    def headroom_left(self) -> float | None:
+        return None if self.budget_gib is None else 1.0 - self.reserved_gib / self.budget_gib
+
+    def to_dict(self) -> dict:
+        return {"items_gib": {k: round(v, 3) for k, v in self.items.items()},
+                "allocated_gib": round(self.allocated_gib, 3), "reserved_gib": round(self.reserved_gib, 3),
+                "cpu_offload_gib": round(self.cpu_offload_gib, 3), "budget_gib": self.budget_gib,
+                "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3), "fits": self.fits}
+
+
+def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float]:
+    """Weights, gradients and Adam states per GPU (bytes), and bytes moved to host memory by offload."""
+    p, n = model.num_params, plan.world_size
+    if plan.deepspeed is None:
+        # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads,
+        # two fp32 Adam moments. Under autocast each matmul weight also gets a cached 16-bit copy.
+        states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p, "optimizer (Adam m, v fp32)": 8.0 * p}
+        if plan.precision in ("bf16", "fp16"):
+            states["autocast 16-bit weight copies"] = 2.0 * (p - model.embedding_params)
+        return states, 0.0
+    # DeepSpeed keeps 16-bit weights and an fp32 master copy inside its optimizer, partitioned by stage.
+    weights = 2.0 * p / (n if plan.deepspeed == "zero3" else 1)
+    grads = 2.0 * p / n
+    optimizer = 12.0 * p / n  # fp32 master + m + v
+    offloaded = 0.0
+    if plan.offload in ("optimizer", "all"):
+        offloaded += optimizer + 4.0 * p / n  # fp32 grads for the CPU Adam step
+        optimizer = 0.0
+    if plan.offload == "all" and plan.deepspeed == "zero3":
+        offloaded += weights
+        weights = 0.0
+    states = {"weights (16-bit)": weights, "gradients (16-bit, partitioned)": grads,
+              "optimizer (fp32 master + Adam, partitioned)": optimizer}
+    if plan.deepspeed == "zero3":
+        states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
+    states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / max(n, 1) * (0 if n == 1 else 1)
+    return states, offloaded
+
+
+def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
+    c = coefficients()
+    act = c["activation"]
+    tokens = plan.micro_batch_size * seq_len
+    h, L = model.hidden_size, model.num_layers
+    per_layer_coeff = act["liger" if plan.liger else "eager"]
+    per_token_layer = per_layer_coeff["per_hidden"] * h + per_layer_coeff["per_ffn"] * model.intermediate_size
+    if plan.precision == "fp32":
+        per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones, norms/residual already fp32
+    eager_scores = 0.0
+    if plan.attention == "eager":
+        eager_scores = act["eager_attention_bytes_per_score"] * plan.micro_batch_size * model.num_heads * seq_len**2
+    one_layer = tokens * per_token_layer + eager_scores
+    logits_coeff = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"]
+    logits = logits_coeff * tokens * model.vocab_size
+    out = {}
+    if plan.gradient_checkpointing:
+        mixed_fp32_residual = plan.deepspeed is None and plan.precision != "fp32"
+        per_h = act["checkpoint_bytes_per_hidden_mixed" if mixed_fp32_residual or plan.precision == "fp32"
+                    else "checkpoint_bytes_per_hidden_16bit"]
+        out["activations (checkpointed layer inputs)"] = per_h * tokens * h * L
+        # the recompute of one layer and the loss never live at the same time
+        out["peak transient (max of one-layer recompute, logits+loss)"] = max(one_layer, logits)
+    else:
+        out["activations (all layers)"] = one_layer * L
+        out["logits + loss"] = logits
+    return out
+
+
+def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
+             headroom: float = DEFAULT_HEADROOM) -> MemoryBreakdown:
+    """Peak per-GPU memory in GiB. vram_gib is the card's usable total (None on CPU)."""
+    c = coefficients()["allocator"]
+    states, offloaded = _model_states(model, plan)
+    items = {k: v / GIB for k, v in {**states, **_activations(model, plan, seq_len)}.items() if v > 0}
+    allocated = sum(items.values())
+    reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
+    if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
+        reserved = allocated + c["fixed_overhead_gib"]  # expandable segments leave almost no fragmentation
+    budget = None if vram_gib is None else vram_gib - c["cuda_context_gib"]
+    return MemoryBreakdown(items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB,
+                           budget_gib=budget, headroom=headroom)

@@ -1,0 +1,98 @@
+"""Stage 3: the model's shape without its weights: from a local config.json or the built-in catalog."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import UserError, templates_dir
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    attention_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def params_per_layer(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h  # two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        lm_head = 0 if self.tied_embeddings else self.embedding_params
+        return self.embedding_params + self.num_layers * self.params_per_layer + self.hidden_size + lm_head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x (non-embedding params + lm_head) + attention 12*L*h*s (fwd+bwd)."""
+        matmul_params = self.num_layers * self.params_per_layer + self.embedding_params
+        return 6.0 * matmul_params + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+
+def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return ModelSpec(
+            name=name, arch=str(cfg.get("arch") or cfg.get("model_type", "llama")),
+            hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads), intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
+
+
+def catalog() -> dict[str, dict]:
+    return yaml.safe_load((templates_dir() / "models" / "catalog.yaml").read_text())
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """A local model folder (reads config.json) or a hub id from the catalog (no download)."""
+    path = Path(model)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise UserError(f"model folder {model} has no config.json")
+        try:
+            return _from_config_dict(model, json.loads(config.read_text()))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{config} is not valid JSON: {exc}") from None
+    known = catalog()
+    if model in known:
+        return _from_config_dict(model, known[model])
+    if path.is_absolute() or model.startswith(".") or model.count("/") != 1:
+        raise UserError(f"model path {model} does not exist")
+    raise UserError(f"model '{model}' is neither a local folder nor in lfa's offline catalog "
+                    f"({', '.join(known)}); download it and pass its folder")
+
+
+def count_params_meta(model_dir: str) -> int:
+    """Exact parameter count by instantiating the architecture on the meta device (imports torch)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,158 @@
+"""Stage 8: read a running attempt (log bytes, trainer_log.jsonl, lfa events) and classify how it failed."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from . import templates_dir
+
+MAX_LINE = 4000  # huge lines (a dumped tensor, a base64 blob) are cut, not buffered without bound
+NONFINITE_LOGS_TO_STOP = 3
+_OOM_FIELDS = {
+    "asked_gib": r"Tried to allocate ([\d.]+ [KMG]iB)",
+    "capacity_gib": r"total capacity of ([\d.]+ [KMG]iB)",
+    "free_gib": r"of which ([\d.]+ [KMG]iB) is free",
+    "in_use_gib": r"this process has ([\d.]+ [KMG]iB) memory in use",
+    "allocated_gib": r"([\d.]+ [KMG]iB) is allocated by PyTorch",
+    "reserved_unallocated_gib": r"([\d.]+ [KMG]iB) is reserved by PyTorch but unallocated",
+}
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    name: str
+    retriable: bool
+    patterns: tuple[re.Pattern, ...]
+    ladder: tuple[str, ...]
+
+
+@dataclass
+class Failure:
+    kind: str
+    retriable: bool
+    evidence: list[str]
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "retriable": self.retriable, "evidence": self.evidence, "details": self.details}
+
+
+@lru_cache(maxsize=1)
+def failure_classes() -> tuple[FailureClass, ...]:
+    data = yaml.safe_load((templates_dir() / "failures" / "classes.yaml").read_text())
+    return tuple(FailureClass(d["name"], bool(d["retriable"]), tuple(re.compile(p, re.M) for p in d["patterns"]),
+                              tuple(d["ladder"])) for d in data)
+
+
+def failure_class(name: str) -> FailureClass:
+    return next(c for c in failure_classes() if c.name == name)
+
+
+def _gib(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0}[unit]
+
+
+def parse_cuda_oom(text: str) -> dict:
+    details = {}
+    for key, pattern in _OOM_FIELDS.items():
+        match = re.search(pattern, text)
+        if match:
+            details[key] = round(_gib(match.group(1)), 3)
+    return details
+
+
+def classify(lines: list[str], returncode: int | None) -> Failure | None:
+    """The first class (in the table's order) whose pattern matches the log tail; SIGKILL without text is host OOM."""
+    text = "\n".join(lines)
+    for cls in failure_classes():
+        for pattern in cls.patterns:
+            match = pattern.search(text)
+            if match:
+                evidence = [line for line in lines if pattern.search(line)][-3:] or [match.group(0)]
+                details = parse_cuda_oom(text) if cls.name == "cuda_oom" else {}
+                return Failure(cls.name, cls.retriable, evidence, details)
+    if returncode in (-9, 137):
+        return Failure("host_oom_kill", True, [f"trainer killed by SIGKILL (exit {returncode}), no error text: "
+                                               "the kernel's OOM killer or a scheduler"], {})
+    if returncode not in (0, None):
+        tail = [line for line in lines if line.strip()][-5:]
+        return Failure("unknown", False, tail, {"returncode": returncode})
+    return None
+
+
+class LineReader:
+    """Turns appended bytes into lines: tqdm's carriage returns end a line, bad UTF-8 is replaced."""
+
+    def __init__(self, tail: int = 600):
+        self._partial = b""
+        self.tail: deque[str] = deque(maxlen=tail)
+
+    def feed(self, chunk: bytes) -> list[str]:
+        data = (self._partial + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        parts = data.split(b"\n")
+        self._partial = parts.pop()
+        if len(self._partial) > MAX_LINE * 4:
+            parts.append(self._partial)
+            self._partial = b""
+        lines = [p.decode("utf-8", errors="replace")[:MAX_LINE] for p in parts]
+        self.tail.extend(lines)
+        return lines
+
+    def flush(self) -> list[str]:
+        return self.feed(b"\n") if self._partial else []
+
+
+class FileFollower:
+    """Reads what was appended to a file since the last call (the file may not exist yet)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def read_new(self) -> bytes:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return b""
+        self.offset += len(data)
+        return data
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, (int, float)) or math.isfinite(value)
+
+
+class TrainerLogWatcher:
+    """Follows LLaMA-Factory's trainer_log.jsonl: progress records, and non-finite loss/grad_norm streaks."""
+
+    def __init__(self, path: Path):
+        self.follower, self.reader = FileFollower(path), LineReader(tail=50)
+        self.last: dict | None = None
+        self.nonfinite_streak = 0
+
+    def poll(self) -> list[dict]:
+        records = []
+        for line in self.reader.feed(self.follower.read_new()):
+            try:
+                record = json.loads(line)  # json accepts the NaN that LF writes
+            except json.JSONDecodeError:
+                continue
+            if "loss" in record or "grad_norm" in record:
+                bad = not (_finite(record.get("loss")) and _finite(record.get("grad_norm")))
+                self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
+            self.last = record
+            records.append(record)
+        return records
+
+    @property
+    def diverged(self) -> bool:
+        return self.nonfinite_streak >= NONFINITE_LOGS_TO_STOP

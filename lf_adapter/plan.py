@@ -1,0 +1,42 @@
+"""The value that travels from the planner to the renderer, the estimator and the supervisor."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Plan:
+    precision: str  # bf16 | fp16 | fp32
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int = 1
+    nodes: int = 1
+    on_cpu: bool = False
+    gradient_checkpointing: bool = True
+    liger: bool = False
+    attention: str = "sdpa"  # sdpa | fa2 | eager | auto
+    deepspeed: str | None = None  # None | zero2 | zero3
+    offload: str = "none"  # none | optimizer | all
+    packing: bool = False
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+    reasons: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def label(self) -> str:
+        parts = [self.precision, f"mbs{self.micro_batch_size}xga{self.grad_accum}x{self.world_size}",
+                 "gc" if self.gradient_checkpointing else "nogc"]
+        if self.liger:
+            parts.append("liger")
+        parts.append(self.attention)
+        if self.deepspeed:
+            parts.append(self.deepspeed + ("" if self.offload == "none" else f"-offload-{self.offload}"))
+        if self.packing:
+            parts.append("packing")
+        return "/".join(parts)

@@ -1,0 +1,177 @@
+"""Stage 5: search the plan space and pick the fastest plan that fits, with reasons and runners-up."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from . import UserError
+from .hardware import HardwareProfile
+from .memory import DEFAULT_HEADROOM, MemoryBreakdown, coefficients, estimate
+from .model_spec import ModelSpec
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    allow_packing: bool = False
+    allow_deepspeed: bool = True
+    liger_available: bool = True  # liger-kernel needs a CUDA GPU with Triton
+    flash_attn_available: bool = False
+    headroom: float = DEFAULT_HEADROOM
+    mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
+    fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    memory: MemoryBreakdown
+    tokens_per_s: float  # predicted non-pad tokens per second, whole job
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+
+@dataclass
+class PlanResult:
+    chosen: Candidate
+    runners_up: list[Candidate]
+    rejected: list[Candidate]
+
+
+def pick_precision(hardware: HardwareProfile) -> tuple[str, str]:
+    if not hardware.has_gpu:
+        return "fp32", "no GPU: the CPU trains in fp32 (16-bit autocast on CPU is slow and lossy)"
+    gpu = hardware.gpu
+    if gpu.bf16:
+        return "bf16", f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (>= 8.0): native bf16, the paper's precision, no loss scaling"
+    return "fp16", (f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (< 8.0): no native bf16 (transformers' check passes only "
+                    "through slow emulation), so fp16 mixed precision with dynamic loss scaling")
+
+
+def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
+    per_gpu = effective_batch // world
+    return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_gpu and per_gpu % m == 0]
+
+
+def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
+                         mean_seq_fraction: float) -> float:
+    """Throughput model: time per micro-batch = fixed overhead + padded FLOPs / achievable FLOP/s."""
+    t = coefficients()["throughput"]
+    fill = 0.98 if plan.packing else mean_seq_fraction
+    # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row
+    padded_len = seq_len if (plan.packing or plan.micro_batch_size > 1) else seq_len * mean_seq_fraction
+    real_tokens = plan.micro_batch_size * seq_len * fill
+    flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len)
+    if plan.gradient_checkpointing:
+        flops *= 4.0 / 3.0  # one more forward pass per layer
+    if not hardware.has_gpu:
+        return real_tokens / (flops / t["cpu_flops"])
+    peak = hardware.gpu.peak_tflops_16bit * 1e12
+    rate = peak * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
+    if plan.liger:
+        rate *= t["liger_speedup"]
+    seconds = t["micro_batch_overhead_s"] + flops / rate
+    if plan.attention == "eager":
+        seconds *= t["eager_attention_slowdown"]
+    if plan.offload != "none":
+        # CPU Adam over the partition each optimizer step, spread over the micro-batches of that step
+        seconds += (model.num_params / plan.world_size) / 1.0e9 / plan.grad_accum
+    if plan.world_size > 1:
+        bandwidth = 150e9 if hardware.interconnect == "nvlink" else 12e9
+        grad_bytes = 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size
+        seconds += grad_bytes / bandwidth / plan.grad_accum
+        if plan.deepspeed == "zero3":
+            seconds += 1.5 * grad_bytes / bandwidth
+    return real_tokens * plan.world_size / seconds
+
+
+def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions):
+    precision = options.fixed.get("precision") or pick_precision(hardware)[0]
+    world = hardware.world_size
+    if effective_batch % world:
+        raise UserError(f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "
+                        "cannot be kept exactly; pass --gpus to use fewer GPUs")
+    on_cpu = not hardware.has_gpu
+    liger = [False] if on_cpu or not options.liger_available else [True, False]
+    attention = ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
+    packing = [True, False] if options.allow_packing else [False]
+    if on_cpu or not options.allow_deepspeed:
+        ds = [(None, "none")]
+    elif world == 1:  # on one GPU DeepSpeed only pays when it offloads model states to the CPU
+        ds = [(None, "none"), ("zero2", "optimizer"), ("zero3", "all")]
+    else:
+        ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
+              ("zero3", "all")]
+    for mbs, gc, lg, attn, (stage, offload), pack in itertools.product(
+            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing):
+        plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
+                    world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
+                    attention=attn, deepspeed=stage, offload=offload, packing=pack)
+        if all(getattr(plan, key) == value for key, value in options.fixed.items()):
+            yield plan
+
+
+def _rank_key(c: Candidate):
+    # fastest first; among near-ties prefer simpler launches (no DeepSpeed, no offload)
+    simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none")
+    return (-round(c.tokens_per_s, -2), simplicity, -c.plan.micro_batch_size)
+
+
+def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
+         options: PlanOptions = PlanOptions()) -> PlanResult:
+    vram = hardware.gpu.vram_gib if hardware.has_gpu else None
+    seen, candidates = set(), []
+    for p in candidate_plans(model, hardware, effective_batch, options):
+        if p in seen:
+            continue
+        seen.add(p)
+        mem = estimate(model, p, seq_len, vram, options.headroom)
+        if mem.cpu_offload_gib > 0.8 * hardware.ram_gib:
+            continue
+        candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len,
+                                                                 options.mean_seq_fraction)))
+    fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
+    rejected = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.reserved_gib)
+    if not fitting:
+        smallest = rejected[0]
+        raise UserError(f"no plan fits {model.name} on {hardware.name}: even {smallest.plan.label()} needs "
+                        f"{smallest.memory.reserved_gib:.1f} GiB per GPU against a limit of "
+                        f"{smallest.memory.limit_gib:.1f} GiB; use more GPUs or a smaller model")
+    chosen = fitting[0]
+    return PlanResult(chosen=Candidate(explain(chosen, hardware, options, fitting), chosen.memory, chosen.tokens_per_s),
+                      runners_up=fitting[1:6], rejected=rejected[:5])
+
+
+def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]) -> Plan:
+    p = c.plan
+    _, precision_reason = pick_precision(hardware)
+    mem = c.memory
+    limit = "no GPU memory limit (CPU)" if mem.limit_gib is None else (
+        f"{mem.reserved_gib:.1f} GiB of {mem.limit_gib:.1f} GiB allowed ({mem.budget_gib:.1f} GiB usable, "
+        f"{options.headroom:.0%} headroom)")
+    reasons = {
+        "precision": precision_reason,
+        "batch": (f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
+                  f"{p.grad_accum} accumulation x {p.world_size} GPU(s); predicted peak {limit}"),
+        "gradient_checkpointing": ("on: without it the activations of this micro-batch do not fit, or a larger "
+                                   "micro-batch with it is faster" if p.gradient_checkpointing else
+                                   "off: the activations fit, which saves the ~33% recompute"),
+        "liger": ("on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
+                  "save activation memory" if p.liger else
+                  ("off: needs a CUDA GPU with Triton" if not hardware.has_gpu or not options.liger_available
+                   else "off: not needed for the fastest fitting plan")),
+        "attention": {"sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
+                      "fa2": "fa2: flash-attn is installed", "eager": "eager: fits and is as fast here",
+                      "auto": "auto"}[p.attention],
+        "deepspeed": (f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
+                      "through torchrun (FORCE_TORCHRUN=1)" if p.deepspeed else
+                      ("none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
+                       if p.world_size == 1 else "none: DDP, every GPU holds the model state")),
+        "packing": ("on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
+                    "padding (changes what a batch is: rows per step grow)" if p.packing else
+                    "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"),
+        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s; {len(fitting)} plans fit",
+    }
+    return p.replace(reasons=reasons)

@@ -1,0 +1,119 @@
+"""Trainer callbacks lfa adds inside the training process: structured events, and test/bench fault injection.
+
+Environment (set by `lfa train`, or by tests and benchmarks):
+  LFA_EVENTS_FILE           append one JSON object per event (rank 0 only)
+  LFA_EMULATE_VRAM_GIB      cap the CUDA caching allocator to emulate a smaller card (real CUDA OOMs)
+  LFA_INJECT_OOM_ABOVE_MBS  raise torch's real OutOfMemoryError when the micro-batch is larger (CPU tests)
+  LFA_INJECT_NAN_AT_STEP    poison the weights with NaN at this optimizer step (real NaN loss follows)
+  LFA_STEP_DELAY_S          sleep this long after each step (gives kill/resume tests a window)
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+
+from transformers import TrainerCallback
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def apply_memory_emulation() -> None:
+    cap = os.environ.get("LFA_EMULATE_VRAM_GIB")
+    cuda = _cuda()
+    if cap and cuda is not None:
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+        total = cuda.get_device_properties(device).total_memory
+        cuda.set_per_process_memory_fraction(float(cap) * 2**30 / total, device)
+    if cuda is not None:
+        atexit.register(_report_peak)
+
+
+def _report_peak() -> None:
+    cuda = _cuda()
+    if cuda is not None and cuda.is_initialized():
+        print(f"LFA_PEAK allocated_gib={cuda.max_memory_allocated() / 2**30:.2f} "
+              f"reserved_gib={cuda.max_memory_reserved() / 2**30:.2f}", flush=True)
+
+
+class EventsCallback(TrainerCallback):
+    """Progress as small JSON objects instead of parsed prints."""
+
+    def __init__(self, path: str):
+        self.path, self.start, self.last = path, None, None
+
+    def _emit(self, state, **event) -> None:
+        if not state.is_world_process_zero:
+            return
+        cuda = _cuda()
+        if cuda is not None:
+            event["gpu_reserved_gib"] = round(cuda.max_memory_reserved() / 2**30, 3)
+            event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
+        event["time"] = time.time()
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(event) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.last = time.time()
+        self._emit(state, event="train_begin", global_step=state.global_step, max_steps=state.max_steps,
+                   micro_batch_size=args.per_device_train_batch_size,
+                   grad_accum=args.gradient_accumulation_steps, world_size=args.world_size)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.time()
+        self._emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
+                   step_time_s=round(now - self.last, 4), num_input_tokens_seen=state.num_input_tokens_seen)
+        self.last = now
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._emit(state, event="log", global_step=state.global_step, **{k: v for k, v in (logs or {}).items()
+                                                                         if isinstance(v, (int, float, str))})
+
+    def on_save(self, args, state, control, **kwargs):
+        self._emit(state, event="save", global_step=state.global_step,
+                   checkpoint=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._emit(state, event="train_end", global_step=state.global_step, elapsed_s=round(time.time() - self.start, 3))
+
+
+class FaultInjectionCallback(TrainerCallback):
+    """Faults that cannot happen on a CPU, raised for real inside the trainer so they flow through real logs."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        limit = os.environ.get("LFA_INJECT_OOM_ABOVE_MBS")
+        if limit and args.per_device_train_batch_size > int(limit):
+            import torch
+
+            need = args.per_device_train_batch_size * 0.2467
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "
+                f"of which 1.02 GiB is free. Including non-PyTorch memory, this process has 30.71 GiB memory in "
+                f"use. Of the allocated memory 29.00 GiB is allocated by PyTorch, and 1.62 GiB is reserved by "
+                f"PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+                f"Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        nan_step = os.environ.get("LFA_INJECT_NAN_AT_STEP")
+        if nan_step and state.global_step == int(nan_step) and model is not None:
+            import torch
+
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.fill_(float("nan"))
+        delay = os.environ.get("LFA_STEP_DELAY_S")
+        if delay:
+            time.sleep(float(delay))
+
+
+def build() -> list:
+    callbacks = [FaultInjectionCallback()]
+    if os.environ.get("LFA_EVENTS_FILE"):
+        callbacks.append(EventsCallback(os.environ["LFA_EVENTS_FILE"]))
+    return callbacks

@@ -1,0 +1,131 @@
+"""`lfa generate`: task + model + hardware -> plan -> rendered recipe folder (the glue between the stages)."""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import UserError
+from .data import profile_dataset
+from .hardware import HardwareProfile, installed_versions, load_profile
+from .model_spec import ModelSpec, load_model_spec
+from .planner import PlanOptions, PlanResult, plan
+from .recipe_file import load_recipe
+from .render import RecipeInputs, relative_to_dir, render_recipe
+from .tasks import TaskSpec, load_task
+
+LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
+TASK_HYPERPARAMETERS = {"cutoff_len", "learning_rate", "num_train_epochs", "lr_scheduler_type", "min_lr",
+                        "warmup_ratio", "effective_batch_size", "ddp_timeout", "max_steps", "seed"}
+
+
+@dataclass
+class GenerateRequest:
+    task: str
+    out_dir: Path
+    model: str | None = None
+    dataset: str | None = None
+    template: str | None = None
+    hardware: str = "detect"
+    gpus: int | None = None
+    allow_packing: bool = False
+    precision: str | None = None
+    sets: tuple[str, ...] = ()
+    save_steps: int = 500
+    logging_steps: int = 10
+    name: str = "train"
+    command: str = ""
+
+
+@dataclass
+class Generated:
+    files: dict[str, str]
+    result: PlanResult
+    model: ModelSpec
+    hardware: HardwareProfile
+    task: TaskSpec
+
+
+def parse_sets(sets: tuple[str, ...]) -> dict:
+    values = {}
+    for item in sets:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return values
+
+
+def _stage1_model(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
+    """norm2code starts from pseudo2norm's output: (model path for the recipe, model whose shape to plan for)."""
+    stage1 = request.out_dir.parent / task.model_from_task / f"{request.name}.yaml"
+    if not stage1.is_file():
+        raise UserError(f"task {task.name} trains on {task.model_from_task}'s output model: generate "
+                        f"{task.model_from_task} into {stage1.parent} first, or pass --model")
+    recipe = load_recipe(stage1)
+    output = relative_to_dir(str(stage1.parent / str(recipe.data["output_dir"])), request.out_dir)
+    stage1_model = stage1.parent / str(recipe.data["model_name_or_path"])
+    return output, str(stage1_model) if stage1_model.is_dir() else str(recipe.data["model_name_or_path"])
+
+
+def generate(request: GenerateRequest) -> Generated:
+    task = load_task(request.task)
+    hardware = load_profile(request.hardware)
+    if request.gpus is not None:
+        if request.gpus < 1 or (hardware.has_gpu and request.gpus > hardware.gpus_per_node * hardware.nodes):
+            raise UserError(f"--gpus {request.gpus}: the profile has {hardware.world_size} GPU(s)")
+        import dataclasses
+        hardware = dataclasses.replace(hardware, nodes=1, gpus_per_node=request.gpus)
+    if request.model:
+        recipe_model, shape_model = request.model, request.model
+    elif task.model_from_task:
+        recipe_model, shape_model = _stage1_model(request, task)
+    elif task.default_model:
+        recipe_model = shape_model = task.default_model
+    else:
+        raise UserError(f"task {task.name} has no default model: pass --model")
+    spec = load_model_spec(shape_model)
+    local_model = Path(recipe_model).is_dir() or bool(task.model_from_task and not request.model)
+    if Path(recipe_model).is_dir():
+        recipe_model = relative_to_dir(recipe_model, request.out_dir)
+    chat_template = request.template or task.chat_template
+    if not chat_template:
+        raise UserError(f"task {task.name} needs --template (a LLaMA-Factory template name)")
+    sets = parse_sets(request.sets)
+    hp = dict(task.hyperparameters)
+    extra = {}
+    for key, value in sets.items():
+        (hp if key in TASK_HYPERPARAMETERS else extra)[key] = value
+    if request.dataset:
+        profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]))
+        dataset_file = relative_to_dir(request.dataset, request.out_dir)
+        mean_fraction = profile.mean_seq_fraction
+    elif task.dataset.file_name:
+        dataset_file, mean_fraction, profile = f"data/{task.dataset.file_name}", 0.75, None
+    else:
+        raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
+    versions = installed_versions()
+    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
+    fixed = {"precision": request.precision} if request.precision else {}
+    options = PlanOptions(allow_packing=request.allow_packing, liger_available=liger_ok,
+                          flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
+                          mean_seq_fraction=mean_fraction, fixed=fixed)
+    if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
+        raise UserError(f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16")
+    result = plan(spec, hardware, int(hp["effective_batch_size"]), int(hp["cutoff_len"]), options)
+    meta = {"model": shape_model, "effective_batch_size": int(hp["effective_batch_size"]),
+            "mean_seq_fraction": round(mean_fraction, 4), "allow_packing": request.allow_packing,
+            "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
+            "predicted_tokens_per_s": round(result.chosen.tokens_per_s)}
+    if profile:
+        meta["dataset_rows"] = profile.rows
+    output_dir = f"saves/{task.name}"
+    inputs = RecipeInputs(task=task, plan=result.chosen.plan, hardware=hardware, model_path=recipe_model,
+                          dataset_file=dataset_file, output_dir=output_dir, chat_template=chat_template,
+                          command=request.command or "lfa generate " + shlex.join(["--task", task.name]),
+                          recipe_name=request.name, hyperparameters=hp, extra=extra,
+                          offline=local_model,
+                          save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta)
+    return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task)

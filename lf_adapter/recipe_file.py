@@ -1,0 +1,87 @@
+"""Reading a generated (or hand-written) LLaMA-Factory recipe back into lfa's values."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import UserError
+from .hardware import HardwareProfile, load_profile, profile_from_dict
+from .plan import Plan
+
+
+@dataclass
+class Recipe:
+    path: Path
+    data: dict  # the LLaMA-Factory keys
+    meta: dict  # lfa's header (empty for hand-written recipes)
+    text: str
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read recipe {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path} must be a YAML mapping of LLaMA-Factory arguments")
+    meta = {}
+    for line in text.splitlines():
+        if line.startswith("# lfa-meta: "):
+            try:
+                meta = json.loads(line[len("# lfa-meta: "):])
+            except json.JSONDecodeError:
+                raise UserError(f"{path}: the '# lfa-meta:' header is not valid JSON") from None
+    return Recipe(path=path, data=data, meta=meta, text=text)
+
+
+def recipe_hardware(recipe: Recipe, override: str | None = None) -> HardwareProfile:
+    if override:
+        return load_profile(override)
+    if "hardware" in recipe.meta:
+        return profile_from_dict(recipe.meta["hardware"], str(recipe.path))
+    return load_profile("detect")
+
+
+def _truthy(value) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
+    d = recipe.data
+    precision = "bf16" if _truthy(d.get("bf16")) else "fp16" if _truthy(d.get("fp16")) else "fp32"
+    deepspeed, offload = None, "none"
+    if d.get("deepspeed"):
+        ds_path = (recipe.folder / str(d["deepspeed"]))
+        try:
+            ds = json.loads(ds_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        deepspeed = {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}")
+        if "offload_param" in zero and zero["offload_param"].get("device") == "cpu":
+            offload = "all"
+        elif "offload_optimizer" in zero and zero["offload_optimizer"].get("device") == "cpu":
+            offload = "optimizer"
+    return Plan(
+        precision=precision,
+        micro_batch_size=int(d.get("per_device_train_batch_size", 1)),
+        grad_accum=int(d.get("gradient_accumulation_steps", 1)),
+        world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
+        gradient_checkpointing=not _truthy(d.get("disable_gradient_checkpointing", False)),
+        liger=_truthy(d.get("enable_liger_kernel", False)),
+        attention=str(d.get("flash_attn", "auto")),
+        deepspeed=deepspeed, offload=offload,
+        packing=_truthy(d.get("packing", False)) or _truthy(d.get("neat_packing", False)),
+    )

@@ -1,0 +1,176 @@
+"""Stage 9: a failure + the current plan -> the next plan to try, in a documented order that keeps the
+training semantics (effective batch exact; the learning rate only moves with --allow-hparam-change)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .hardware import HardwareProfile
+from .monitor import Failure, failure_class
+from .plan import Plan
+
+FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, not real shortage
+EXPANDABLE = "expandable_segments:True"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one attempt runs: the plan, plus LF keys and env that are not plan fields."""
+    plan: Plan
+    keys: dict = field(default_factory=dict)  # extra LLaMA-Factory overrides (learning_rate, workers...)
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    action: str
+    attempt: Attempt
+    why: str
+
+
+@dataclass(frozen=True)
+class Context:
+    hardware: HardwareProfile
+    allow_hparam_change: bool = False
+    learning_rate: float | None = None
+    hub_mirror: str | None = None
+    model_cached: bool = False
+
+
+def _fragmentation(a, f, c):
+    wasted = f.details.get("reserved_unallocated_gib", 0.0)
+    if a.plan.alloc_conf or wasted < FRAGMENTATION_GIB:
+        return None
+    return a.plan.replace(alloc_conf=EXPANDABLE), (
+        f"{wasted:.2f} GiB reserved but unallocated: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
+
+
+def _halve_micro_batch(a, f, c):
+    p = a.plan
+    if p.micro_batch_size < 2:
+        return None
+    return p.replace(micro_batch_size=p.micro_batch_size // 2, grad_accum=p.grad_accum * 2), (
+        f"micro-batch {p.micro_batch_size} -> {p.micro_batch_size // 2}, accumulation {p.grad_accum} -> "
+        f"{p.grad_accum * 2}: effective batch stays {p.effective_batch_size}")
+
+
+def _switch(field_name, value, why):
+    def action(a, f, c):
+        if getattr(a.plan, field_name) == value:
+            return None
+        return a.plan.replace(**{field_name: value}), why
+    return action
+
+
+def _gpu_only(action):
+    def wrapped(a, f, c):
+        return None if not c.hardware.has_gpu else action(a, f, c)
+    return wrapped
+
+
+DEEPSPEED_ORDER = [(None, "none"), ("zero2", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "all")]
+
+
+def _deepspeed(stage, offload):
+    def action(a, f, c):
+        p = a.plan
+        current = (p.deepspeed, p.offload)
+        if not c.hardware.has_gpu or current not in DEEPSPEED_ORDER or \
+                DEEPSPEED_ORDER.index((stage, offload)) <= DEEPSPEED_ORDER.index(current):
+            return None
+        return p.replace(deepspeed=stage, offload=offload), (
+            f"DeepSpeed {stage}" + ("" if offload == "none" else f" with {offload} offload to CPU") +
+            ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)")
+    return action
+
+
+def _bf16_if_supported(a, f, c):
+    if a.plan.precision != "fp16" or not c.hardware.has_gpu or not c.hardware.gpu.bf16:
+        return None
+    return a.plan.replace(precision="bf16"), "fp16 overflowed; this GPU has native bf16 (fp32 range, no loss scaling)"
+
+
+def _fp16(a, f, c):
+    if a.plan.precision != "bf16":
+        return None
+    return a.plan.replace(precision="fp16"), "the GPU lacks bf16: fp16 mixed precision with dynamic loss scaling"
+
+
+def _drop_deepspeed(a, f, c):
+    if a.plan.deepspeed is None or a.plan.world_size > 1:
+        return None
+    return a.plan.replace(deepspeed=None, offload="none"), "one GPU: plain training needs no DeepSpeed launcher"
+
+
+ACTIONS = {
+    "fragmentation": _fragmentation,
+    "halve_micro_batch": _halve_micro_batch,
+    "gradient_checkpointing": _switch("gradient_checkpointing", True,
+                                      "gradient checkpointing on: keep only layer inputs, recompute the rest"),
+    "liger": _gpu_only(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes fp32 logits")),
+    "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
+    "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
+    "eager_attention": _switch("attention", "eager", "eager attention: rules out a fused-kernel numerics problem"),
+    "zero2": _deepspeed("zero2", "none"),
+    "zero2_offload": _deepspeed("zero2", "optimizer"),
+    "zero3_offload": _deepspeed("zero3", "all"),
+    "fp16": _fp16,
+    "bf16_if_supported": _bf16_if_supported,
+    "drop_deepspeed": _drop_deepspeed,
+}
+
+
+def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | None:
+    if action == "force_torchrun":
+        if a.env.get("FORCE_TORCHRUN") == "1":
+            return None
+        return Attempt(a.plan, a.keys, {**a.env, "FORCE_TORCHRUN": "1"}), "FORCE_TORCHRUN=1: launch through torchrun"
+    if action == "hub_mirror":
+        if not c.hub_mirror or a.env.get("HF_ENDPOINT") == c.hub_mirror:
+            return None
+        return Attempt(a.plan, a.keys, {**a.env, "HF_ENDPOINT": c.hub_mirror}), f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"
+    if action == "hub_offline":
+        if not c.model_cached or a.env.get("HF_HUB_OFFLINE") == "1":
+            return None
+        return Attempt(a.plan, a.keys, {**a.env, "HF_HUB_OFFLINE": "1"}), "hub unreachable but files cached: HF_HUB_OFFLINE=1"
+    if action == "resume_as_is":
+        return a, "transient collective timeout: resume from the last checkpoint unchanged"
+    if action == "fewer_checkpoints":
+        if a.keys.get("save_total_limit") == 1:
+            return None
+        return Attempt(a.plan, {**a.keys, "save_total_limit": 1}, a.env), "disk full: keep only the newest checkpoint"
+    if action == "fewer_workers":
+        if a.keys.get("dataloader_num_workers") == 0:
+            return None
+        return Attempt(a.plan, {**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}, a.env), (
+            "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
+    if action == "lower_lr":
+        if not c.allow_hparam_change or c.learning_rate is None:
+            return None
+        lr = a.keys.get("learning_rate", c.learning_rate) / 2
+        return Attempt(a.plan, {**a.keys, "learning_rate": lr}, a.env), (
+            f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)")
+    return None
+
+
+def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
+    """The first action of the class's ladder that was not tried yet and applies to this attempt."""
+    if not failure.retriable or failure.kind == "unknown":
+        return None
+    for action in failure_class(failure.kind).ladder:
+        if action in tried and action != "resume_as_is":
+            continue
+        if action in ACTIONS:
+            result = ACTIONS[action](attempt, failure, context)
+            if result is not None:
+                plan, why = result
+                return Remedy(action, Attempt(plan, attempt.keys, attempt.env), why)
+        else:
+            result = _env_action(attempt, action, context)
+            if result is not None:
+                return Remedy(action, result[0], result[1])
+    return None
+
+
+def hub_mirror_from_env() -> str | None:
+    return os.environ.get("LFA_HF_MIRROR")

@@ -1,0 +1,127 @@
+"""Stage 6: plan + task -> recipe folder (YAML recipe, DeepSpeed JSON, dataset_info.json, launch.sh) via Jinja."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from . import UserError, __version__, templates_dir
+from .hardware import HardwareProfile
+from .launch import launch_env
+from .plan import Plan
+from .tasks import TaskSpec, chat_template_files
+
+
+def yaml_float(value) -> str:
+    """Floats as LLaMA-Factory's YAML loaders read them: 3.0e-6, 2.0 (a bare 3e-6 is a string to PyYAML)."""
+    value = float(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+        mantissa, exponent = f"{value:e}".split("e")
+        mantissa = mantissa.rstrip("0")
+        mantissa = mantissa + "0" if mantissa.endswith(".") else mantissa
+        exponent = int(exponent)
+        return f"{mantissa}e{exponent:+d}" if exponent > 0 else f"{mantissa}e{exponent}"
+    return repr(value)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["yaml_float"] = yaml_float
+    return env
+
+
+@dataclass
+class RecipeInputs:
+    task: TaskSpec
+    plan: Plan
+    hardware: HardwareProfile
+    model_path: str
+    dataset_file: str  # as it should appear in dataset_info.json (relative to the recipe folder, or absolute)
+    output_dir: str
+    chat_template: str
+    command: str  # the lfa command that regenerates this recipe
+    recipe_name: str = "train"
+    hyperparameters: dict = field(default_factory=dict)  # task's, with --set overrides applied
+    extra: dict = field(default_factory=dict)  # raw LF keys from --set that are not task hyper-parameters
+    offline: bool = True
+    save_steps: int = 500
+    logging_steps: int = 10
+    meta: dict = field(default_factory=dict)
+
+
+def _yaml_scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return yaml_float(value)
+    return str(value)
+
+
+def deepspeed_file_name(plan: Plan) -> str | None:
+    if not plan.deepspeed:
+        return None
+    return f"ds_{plan.deepspeed}" + ("" if plan.offload == "none" else f"_offload_{plan.offload}") + ".json"
+
+
+def render_deepspeed(plan: Plan) -> tuple[str, str]:
+    text = _environment().get_template("deepspeed/zero.json.j2").render(
+        stage=2 if plan.deepspeed == "zero2" else 3, offload_optimizer=plan.offload in ("optimizer", "all"),
+        offload_param=plan.offload == "all" and plan.deepspeed == "zero3")
+    json.loads(text)  # the template must stay valid JSON
+    return deepspeed_file_name(plan), text
+
+
+def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
+    """Pure: file name -> text for the whole recipe folder."""
+    env = _environment()
+    plan = inputs.plan
+    files: dict[str, str] = {}
+    deepspeed_file = deepspeed_file_name(plan)
+    if deepspeed_file:
+        files[deepspeed_file] = render_deepspeed(plan)[1]
+    recipe_file = f"{inputs.recipe_name}.yaml"
+    meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
+            "plan": plan.label(), **inputs.meta}
+    hp = dict(inputs.hyperparameters)
+    files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
+        lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
+        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path,
+        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=deepspeed_file,
+        dataset_name=inputs.task.dataset.name, dataset_dir=".", chat_template=inputs.chat_template,
+        plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
+        preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,
+        output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
+        save_total_limit=3, extra={k: _yaml_scalar(v) for k, v in inputs.extra.items()})
+    files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+    env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
+                   for e in launch_env(plan, offline=inputs.offline)]
+    files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
+        lfa_version=__version__, recipe_file=recipe_file, env=env_entries)
+    return files
+
+
+def write_recipe_dir(files: dict[str, str], out_dir: Path, force: bool = False) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    existing = [name for name in files if (out_dir / name).exists()]
+    if existing and not force:
+        raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --force to overwrite")
+    written = []
+    for name, text in files.items():
+        path = out_dir / name
+        path.write_text(text)
+        if name.endswith(".sh"):
+            path.chmod(0o755)
+        written.append(path)
+    return written
+
+
+def relative_to_dir(target: str, directory: Path) -> str:
+    """A path as seen from the recipe folder: relative when both are local, so recipes stay portable."""
+    try:
+        return os.path.relpath(Path(target).resolve(), directory.resolve())
+    except ValueError:
+        return str(Path(target).resolve())

@@ -1,0 +1,382 @@
+"""Stage 10: the supervisor behind `lfa train`: attempts, ledger, resume, resolved recipe, detached runs."""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import yaml
+
+from . import UserError
+from .launch import launch_env, llamafactory_command, resolve_env, start, stop_group
+from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify
+from .plan import Plan
+from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
+from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
+from .render import deepspeed_file_name, render_deepspeed, yaml_float
+
+LIVE_FATAL = {"cuda_oom", "nccl_timeout"}  # stop the trainer at the first line: it cannot recover by itself
+POLL_S = 0.1
+
+
+@dataclass
+class TrainRequest:
+    recipe: Path
+    run_dir: Path | None = None
+    name: str | None = None
+    max_attempts: int = 4
+    allow_hparam_change: bool = False
+    json_events: bool = False
+    overrides: tuple[str, ...] = ()
+    fresh: bool = False  # demo only: start without the previous run's checkpoints
+
+
+def plan_keys(plan: Plan) -> dict:
+    """The LLaMA-Factory keys a plan sets (DeepSpeed as a file name, rendered separately)."""
+    return {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "bf16": plan.precision == "bf16",
+        "fp16": plan.precision == "fp16",
+        "disable_gradient_checkpointing": not plan.gradient_checkpointing,
+        "enable_liger_kernel": plan.liger,
+        "flash_attn": plan.attention,
+        "packing": plan.packing,
+        "deepspeed": deepspeed_file_name(plan),
+    }
+
+
+def _scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return yaml_float(value)
+    return "null" if value is None else str(value)
+
+
+def key_changes(recipe: Recipe, attempt: Attempt) -> dict:
+    """Keys whose value for this attempt differs from the recipe file."""
+    base_plan_keys = plan_keys(plan_from_recipe(recipe, recipe_hardware(recipe)))
+    changes = {}
+    for key, value in {**plan_keys(attempt.plan), **attempt.keys}.items():
+        current = recipe.data.get(key, base_plan_keys.get(key))
+        if key == "deepspeed" and current is not None and base_plan_keys.get(key) == value:
+            continue  # same DeepSpeed plan as the recipe: keep the recipe's own file
+        if _scalar(current) != _scalar(value):
+            changes[key] = value
+    return changes
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    weights = any((path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json",
+                                                      "pytorch_model.bin", "pytorch_model.bin.index.json"))
+    optimizer = (path / "optimizer.pt").exists() or any(path.glob("global_step*"))
+    return (path / "trainer_state.json").is_file() and weights and optimizer
+
+
+def newest_complete_checkpoint(output_dir: Path) -> Path | None:
+    """The highest-step checkpoint that was fully written; incomplete ones are renamed aside, never deleted,
+    so LLaMA-Factory's own auto-resume cannot pick them."""
+    found = []
+    for path in output_dir.glob("checkpoint-*"):
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    best = None
+    for step, path in sorted(found, reverse=True):
+        if best is None and is_complete_checkpoint(path):
+            best = path
+        elif best is None:
+            path.rename(path.with_name(f"incomplete-{path.name}-{int(time.time())}"))
+    return best
+
+
+def _hash(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Ledger:
+    def __init__(self, run_dir: Path, recipe: Path):
+        self.path = run_dir / "ledger.json"
+        if self.path.is_file():
+            self.data = json.loads(self.path.read_text())
+        else:
+            self.data = {"recipe": str(recipe.resolve()), "attempts": [], "status": "new"}
+
+    @property
+    def attempts(self) -> list[dict]:
+        return self.data["attempts"]
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+
+class Reporter:
+    def __init__(self, json_events: bool):
+        self.json_events = json_events
+
+    def event(self, kind: str, text: str, **data) -> None:
+        if self.json_events:
+            click.echo(json.dumps({"event": kind, **data}, default=str))
+        else:
+            click.echo(text, err=kind in ("failure", "remedy", "error"))
+
+
+def _progress_text(n: int, record: dict, events: dict) -> str:
+    parts = [f"[attempt {n}] step {record.get('current_steps')}/{record.get('total_steps')}"]
+    if "loss" in record:
+        parts.append(f"loss {record['loss']:.4f}")
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
+    if events.get("tokens_per_s"):
+        parts.append(f"{events['tokens_per_s']:,.0f} tok/s")
+    if record.get("remaining_time"):
+        parts.append(f"ETA {record['remaining_time']}")
+    if events.get("gpu_reserved_gib"):
+        parts.append(f"GPU {events['gpu_reserved_gib']:.1f} GiB")
+    return "  ".join(parts)
+
+
+def _events_rate(events_follower: FileFollower, reader: LineReader, state: dict) -> dict:
+    for line in reader.feed(events_follower.read_new()):
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "step":
+            if state.get("tokens") is not None and event.get("num_input_tokens_seen") and event.get("step_time_s"):
+                state["tokens_per_s"] = (event["num_input_tokens_seen"] - state["tokens"]) / event["step_time_s"]
+            state["tokens"] = event.get("num_input_tokens_seen")
+        if "gpu_reserved_gib" in event:
+            state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
+    return state
+
+
+def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
+                 reporter: Reporter, interrupted: dict) -> dict:
+    log_path = run_dir / f"attempt-{n}.log"
+    events_path = Path(env["LFA_EVENTS_FILE"])
+    trainer_log = output_dir / "trainer_log.jsonl"
+    watcher = TrainerLogWatcher(trainer_log)
+    watcher.follower.offset = trainer_log.stat().st_size if trainer_log.exists() else 0
+    events = FileFollower(events_path)
+    events.offset = events_path.stat().st_size if events_path.exists() else 0
+    events_reader, state = LineReader(tail=20), {}
+    reader = LineReader()
+    result = {"log": log_path.name, "first_step": None, "last_step": None, "live_stop": None}
+    with log_path.open("ab") as log_file:
+        log_file.write(f"$ {' '.join(command)}\n".encode())
+        log_file.flush()
+        started = time.time()
+        process = start(command, cwd, env, log_file)
+        interrupted["process"] = process
+        follower = FileFollower(log_path)
+        detected_at = None
+        while True:
+            done = process.poll() is not None
+            new_lines = reader.feed(follower.read_new())
+            if detected_at is None and new_lines:
+                live = classify(new_lines, None)
+                if live and live.kind in LIVE_FATAL:
+                    detected_at = time.time()
+                    result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
+            for record in watcher.poll():
+                step = record.get("current_steps")
+                if step is not None:
+                    result["first_step"] = result["first_step"] or step
+                    result["last_step"] = step
+                _events_rate(events, events_reader, state)
+                reporter.event("progress", _progress_text(n, record, state), attempt=n, **record,
+                               **{k: v for k, v in state.items() if k != "tokens"})
+            if watcher.diverged and detected_at is None:
+                detected_at = time.time()
+                log_file.write(b"lfa: non-finite loss or grad_norm in 3 consecutive logs; stopping the attempt\n")
+                log_file.flush()
+                result["live_stop"] = {"kind": "nan_loss", "detected_at": detected_at}
+            if done:
+                break
+            if detected_at is not None and time.time() - detected_at > 0.5:
+                stop_group(process, grace_s=0.5)
+                break
+            time.sleep(POLL_S)
+        returncode = process.wait()
+        reader.feed(follower.read_new())
+        reader.flush()
+        result.update(returncode=returncode, duration_s=round(time.time() - started, 2), ended=time.time())
+        result["tail"] = list(reader.tail)
+    interrupted["process"] = None
+    return result
+
+
+def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
+    lines = recipe.text.splitlines()
+    remaining = dict(changes)
+    for i, line in enumerate(lines):
+        match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):(\s.*)?$", line)
+        if match and match.group(1) in remaining:
+            key = match.group(1)
+            lines[i] = f"{key}: {_scalar(remaining.pop(key))}  # lfa train: changed"
+    header = ["# lfa train resolved this recipe; what changed and why:"] + [f"#   {note}" for note in notes]
+    extra = [f"{key}: {_scalar(value)}  # lfa train: added" for key, value in remaining.items()]
+    return "\n".join(header + lines + extra) + "\n"
+
+
+def supervise(request: TrainRequest) -> int:
+    recipe = load_recipe(request.recipe)
+    hardware = recipe_hardware(recipe)
+    if "output_dir" not in recipe.data:
+        raise UserError(f"{recipe.path} has no output_dir")
+    name = request.name or recipe.folder.resolve().name
+    run_dir = (request.run_dir or Path("runs") / name).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
+    if request.fresh and output_dir.exists():
+        import shutil
+        shutil.rmtree(output_dir)
+    ledger = Ledger(run_dir, recipe.path)
+    reporter = Reporter(request.json_events)
+    user_keys = {}
+    for item in request.overrides:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        user_keys[key] = yaml.safe_load(value)
+    lr = recipe.data.get("learning_rate")
+    model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
+    context = Context(hardware=hardware, allow_hparam_change=request.allow_hparam_change,
+                      learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
+                      model_cached=model_dir.is_dir())
+    attempt = Attempt(plan_from_recipe(recipe, hardware))
+    notes: list[str] = []
+    tried: set[str] = set()
+    interrupted = {"process": None, "signal": None}
+
+    def on_signal(signum, frame):
+        interrupted["signal"] = signum
+        if interrupted["process"] is not None:
+            stop_group(interrupted["process"])
+        raise KeyboardInterrupt
+
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+    ledger.data.update(status="running", supervisor_pid=os.getpid())
+    ledger.save()
+    previous_changes: dict = {}
+    try:
+        for _ in range(request.max_attempts):
+            n = len(ledger.attempts) + 1
+            changes = key_changes(recipe, attempt)
+            if "deepspeed" in changes and changes["deepspeed"]:
+                ds_name, ds_text = render_deepspeed(attempt.plan)
+                (recipe.folder / ds_name).write_text(ds_text)
+            overrides = {**changes, **user_keys}
+            checkpoint = newest_complete_checkpoint(output_dir) if output_dir.exists() else None
+            if checkpoint:
+                overrides["resume_from_checkpoint"] = str(checkpoint)
+            entries = launch_env(attempt.plan, offline=model_dir.is_dir())
+            env = resolve_env(entries)
+            env.update(attempt.env)
+            env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
+            command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()])
+            record = {"n": n, "started": dt.datetime.now().isoformat(timespec="seconds"), "plan": attempt.plan.label(),
+                      "overrides": overrides, "env": {e.name: env[e.name] for e in entries} | attempt.env,
+                      "recipe_hash": _hash({**recipe.data, **overrides}),
+                      "diff_from_previous": {k: v for k, v in changes.items() if previous_changes.get(k) != v},
+                      "resumed_from": str(checkpoint) if checkpoint else None}
+            reporter.event("attempt_start", f"[attempt {n}] {attempt.plan.label()}" +
+                           (f" resuming from {checkpoint.name}" if checkpoint else "") +
+                           (f" with {overrides}" if overrides else ""), attempt=n, plan=attempt.plan.label(),
+                           overrides=overrides)
+            ledger.attempts.append(record)
+            ledger.save()
+            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted)
+            tail = result.pop("tail")
+            failure = classify(tail, result["returncode"])
+            if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
+                failure = classify(["lfa: non-finite loss or grad_norm"], None)
+            record.update(result, failure=failure.to_dict() if failure else None)
+            previous_changes = changes
+            if failure is None:
+                record["status"] = "succeeded"
+                ledger.data["status"] = "succeeded"
+                if changes:
+                    resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
+                    resolved.write_text(_resolved_text(recipe, changes, notes))
+                    ledger.data["resolved_recipe"] = str(resolved)
+                    reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
+                                   path=str(resolved))
+                ledger.save()
+                reporter.event("done", f"[attempt {n}] finished: {output_dir}", attempt=n, output_dir=str(output_dir))
+                return 0
+            record["status"] = "failed"
+            reporter.event("failure", f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
+                           attempt=n, **failure.to_dict())
+            if not failure.retriable:
+                ledger.data["status"] = "failed"
+                ledger.save()
+                reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {run_dir / result['log']}",
+                               kind=failure.kind)
+                return 1
+            remedy = next_remedy(attempt, failure, context, tried)
+            if remedy is None:
+                ledger.data["status"] = "failed"
+                ledger.save()
+                reporter.event("error", f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
+                               kind=failure.kind)
+                return 1
+            tried.add(remedy.action)
+            note = f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}"
+            notes.append(note)
+            record["remedy"] = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
+            ledger.save()
+            reporter.event("remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action,
+                           why=remedy.why)
+            attempt = remedy.attempt
+        ledger.data["status"] = "failed"
+        ledger.save()
+        reporter.event("error", f"lfa: retry budget of {request.max_attempts} attempts spent", kind="budget")
+        return 1
+    except KeyboardInterrupt:
+        ledger.data["status"] = "stopped"
+        if ledger.attempts:
+            ledger.attempts[-1].setdefault("status", "stopped")
+        ledger.save()
+        reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
+        return 130
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass
+class DetachedRun:
+    name: str
+    dir: Path
+    pid: int
+
+
+def start_detached(request: TrainRequest) -> DetachedRun:
+    """Re-run `lfa train` without --detach in a new session: it survives logout (no nohup needed)."""
+    name = request.name or request.recipe.resolve().parent.name
+    run_dir = (request.run_dir or Path("runs") / name).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "lf_adapter.cli", "train", str(request.recipe.resolve()), "--run-dir", str(run_dir),
+            "--name", name, "--max-attempts", str(request.max_attempts)]
+    args += ["--allow-hparam-change"] if request.allow_hparam_change else []
+    args += [x for s in request.overrides for x in ("--set", s)]
+    with (run_dir / "supervisor.log").open("ab") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, cwd=os.getcwd())
+    (run_dir / "supervisor.pid").write_text(str(process.pid))
+    return DetachedRun(name, run_dir, process.pid)
