@@ -126,11 +126,11 @@ class Reporter:
     def __init__(self, json_events: bool):
         self.json_events = json_events
 
-    def event(self, kind: str, text: str, **data) -> None:
+    def event(self, event_name: str, text: str, **data) -> None:
         if self.json_events:
-            click.echo(json.dumps({"event": kind, **data}, default=str))
+            click.echo(json.dumps({"event": event_name, **data}, default=str))
         else:
-            click.echo(text, err=kind in ("failure", "remedy", "error"))
+            click.echo(text, err=event_name in ("failure", "remedy", "error"))
 
 
 def _progress_text(n: int, record: dict, events: dict) -> str:
@@ -213,7 +213,8 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         returncode = process.wait()
         reader.feed(follower.read_new())
         reader.flush()
-        result.update(returncode=returncode, duration_s=round(time.time() - started, 2), ended=time.time())
+        result.update(returncode=returncode, duration_s=round(time.time() - started, 2), started_at=started,
+                      ended_at=time.time())
         result["tail"] = list(reader.tail)
     interrupted["process"] = None
     return result
