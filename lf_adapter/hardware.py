@@ -19,6 +19,7 @@ _PEAK_TFLOPS = [("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("A100", 312.0, 2.0
                 ("A6000", 154.8, 0.768), ("L40", 181.0, 0.864), ("A10", 125.0, 0.6), ("V100", 125.0, 0.9),
                 ("T4", 65.0, 0.32), ("4090", 165.2, 1.0), ("3090", 71.0, 0.936)]
 
+CUDA_CONTEXT_GIB = 0.55
 SOFTWARE = ["llamafactory", "transformers", "torch", "deepspeed", "liger-kernel", "flash-attn",
             "peft", "trl", "accelerate", "datasets"]
 
@@ -190,7 +191,8 @@ def gpu_spec_from_nvml(info: dict) -> GPUSpec:
         if fragment in info["name"]:
             peak, hbm = tflops, tbps
             break
-    return GPUSpec(name=info["name"], vram_gib=info["total_gib"], compute_capability=info["compute_capability"],
+    # usable = total minus the CUDA context every process pays outside PyTorch's allocator
+    return GPUSpec(name=info["name"], vram_gib=round(info["total_gib"] - CUDA_CONTEXT_GIB, 2), compute_capability=info["compute_capability"],
                    peak_tflops_16bit=peak, hbm_tbps=hbm)
 
 

@@ -55,10 +55,10 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
     p, n = model.num_params, plan.world_size
     if plan.deepspeed is None:
         # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads,
-        # two fp32 Adam moments. Under autocast each matmul weight also gets a cached 16-bit copy.
+        # two fp32 Adam moments.
         states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p, "optimizer (Adam m, v fp32)": 8.0 * p}
-        if plan.precision in ("bf16", "fp16"):
-            states["autocast 16-bit weight copies"] = 2.0 * (p - model.embedding_params)
+        if plan.precision in ("bf16", "fp16") and plan.grad_accum > 1:
+            states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
         return states, 0.0
     # DeepSpeed keeps 16-bit weights and an fp32 master copy inside its optimizer, partitioned by stage.
     weights = 2.0 * p / (n if plan.deepspeed == "zero3" else 1)
@@ -75,7 +75,8 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
               "optimizer (fp32 master + Adam, partitioned)": optimizer}
     if plan.deepspeed == "zero3":
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
-    states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / max(n, 1) * (0 if n == 1 else 1)
+    if n > 1:
+        states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / n
     return states, offloaded
 
 
@@ -84,40 +85,38 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     act = c["activation"]
     tokens = plan.micro_batch_size * seq_len
     h, L = model.hidden_size, model.num_layers
-    per_layer_coeff = act["liger" if plan.liger else "eager"]
-    per_token_layer = per_layer_coeff["per_hidden"] * h + per_layer_coeff["per_ffn"] * model.intermediate_size
+    per_layer = act["liger" if plan.liger else "eager"]
+    per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
-        per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones, norms/residual already fp32
-    eager_scores = 0.0
+        per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
     if plan.attention == "eager":
-        eager_scores = act["eager_attention_bytes_per_score"] * plan.micro_batch_size * model.num_heads * seq_len**2
-    one_layer = tokens * per_token_layer + eager_scores
-    logits_coeff = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"]
-    logits = logits_coeff * tokens * model.vocab_size
-    out = {}
+        per_token_layer += act["eager_attention_bytes_per_score"] * model.num_heads * seq_len
+    logits = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
     if plan.gradient_checkpointing:
-        mixed_fp32_residual = plan.deepspeed is None and plan.precision != "fp32"
-        per_h = act["checkpoint_bytes_per_hidden_mixed" if mixed_fp32_residual or plan.precision == "fp32"
-                    else "checkpoint_bytes_per_hidden_16bit"]
-        out["activations (checkpointed layer inputs)"] = per_h * tokens * h * L
-        # the recompute of one layer and the loss never live at the same time
-        out["peak transient (max of one-layer recompute, logits+loss)"] = max(one_layer, logits)
-    else:
-        out["activations (all layers)"] = one_layer * L
-        out["logits + loss"] = logits
-    return out
+        factor = act["accumulation_factor"] if plan.grad_accum > 1 else 1.0
+        stored = factor * tokens * (act["checkpoint_bytes_per_hidden"] * L * h)
+        loss = tokens * model.vocab_size * (act["checkpoint_bytes_per_vocab"] * factor if plan.liger
+                                            else c["logits"]["bytes_per_element"])
+        return {"activations (checkpointed layer inputs)": stored, "logits + loss": loss}
+    return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 
 
 def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
              headroom: float = DEFAULT_HEADROOM) -> MemoryBreakdown:
-    """Peak per-GPU memory in GiB. vram_gib is the card's usable total (None on CPU)."""
+    """Peak per-GPU memory in GiB. vram_gib is the card's usable memory (None on CPU)."""
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
-    items = {k: v / GIB for k, v in {**states, **_activations(model, plan, seq_len)}.items() if v > 0}
-    allocated = sum(items.values())
+    activations = _activations(model, plan, seq_len)
+    if plan.grad_accum == 1 and not plan.gradient_checkpointing and plan.deepspeed is None:
+        # without accumulation the gradients are freed (set to None) before each forward and are built while
+        # the activations are released: about half of them coexist with all activations
+        states["gradients (fp32)"] *= 0.5
+    items = {k: v / GIB for k, v in {**states, **activations}.items() if v > 0}
+    items["allocator/CUDA workspace"] = coefficients()["allocator"]["allocated_overhead_gib"]
+    allocated = max(sum(items.values()), 16.0 * model.num_params / GIB if plan.deepspeed is None else 0.0)
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
         reserved = allocated + c["fixed_overhead_gib"]  # expandable segments leave almost no fragmentation
-    budget = None if vram_gib is None else vram_gib - c["cuda_context_gib"]
+    budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB,
                            budget_gib=budget, headroom=headroom)

@@ -72,12 +72,15 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     rate = peak * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
     if plan.liger:
         rate *= t["liger_speedup"]
-    seconds = t["micro_batch_overhead_s"] + flops / rate
+    seconds = t["micro_batch_overhead_s"] + flops / rate + t["optimizer_step_overhead_s"] / plan.grad_accum
     if plan.attention == "eager":
         seconds *= t["eager_attention_slowdown"]
     if plan.offload != "none":
-        # CPU Adam over the partition each optimizer step, spread over the micro-batches of that step
-        seconds += (model.num_params / plan.world_size) / 1.0e9 / plan.grad_accum
+        # CPU Adam over the partition, and 16-bit grads down / params up over PCIe, once per optimizer step
+        partition = model.num_params / plan.world_size
+        seconds += (partition / 1.0e9 + 2 * 2.0 * partition / 12e9) / plan.grad_accum
+        if plan.offload == "all":
+            seconds += 2.0 * model.num_params / 12e9 * 2  # ZeRO-3 fetches every layer's params, fwd and bwd
     if plan.world_size > 1:
         bandwidth = 150e9 if hardware.interconnect == "nvlink" else 12e9
         grad_bytes = 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size
@@ -132,7 +135,12 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
             continue
         candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len,
                                                                  options.mean_seq_fraction)))
-    fitting = sorted((c for c in candidates if c.fits), key=_rank_key)
+    fitting = [c for c in candidates if c.fits]
+    if hardware.world_size == 1 and any(c.plan.deepspeed is None for c in fitting):
+        # one GPU: DeepSpeed (offload) only when the model states need it; its CPU Adam and PCIe copies are
+        # hard to predict and it is one more package and launcher that can fail
+        fitting = [c for c in fitting if c.plan.deepspeed is None]
+    fitting.sort(key=_rank_key)
     rejected = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.reserved_gib)
     if not fitting:
         smallest = rejected[0]
