@@ -113,6 +113,7 @@ def main() -> None:
             shutil.copy(work / "runs" / "original" / a["log"], args.out / f"original-attempt-{i}.log")
         row.update(results(recipe, work / "runs" / "original" / attempts[-1]["log"], spec, 2048))
         row["resolved_recipe"] = ledger.get("resolved_recipe")
+        shutil.rmtree(recipe.parent / "saves", ignore_errors=True)
         table["original (bf16 bs8 ga8) -> lfa train retry"] = row
 
     # 2. the seed's manual fix, launched the way the seed author did
@@ -124,6 +125,7 @@ def main() -> None:
             subprocess.call(["llamafactory-cli", "train", "train.yaml"], cwd=recipe.parent, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
         table["seed fix (fp16 bs1 ga16)"] = results(recipe, log, spec, 2048)
+        shutil.rmtree(recipe.parent / "saves", ignore_errors=True)
 
     # 3. lfa's generated recipes
     generated = [("lfa v100-32g", "v100-32g", [], capped), ("lfa v100-32g --allow-packing", "v100-32g", ["--allow-packing"], capped),
@@ -146,6 +148,7 @@ def main() -> None:
             m = json.loads(meta[0][12:])
             row.update(predicted_reserved_gib=m.get("predicted_reserved_gib"), predicted_tokens_per_s=m.get("predicted_tokens_per_s"))
         row.update(results(folder / "train.yaml", work / "runs" / key / ledger["attempts"][-1]["log"], spec, 2048))
+        shutil.rmtree(folder / "saves", ignore_errors=True)  # a 1.3B fp32 save is 5 GiB; the device disk is small
         if env is capped and row.get("peak_reserved_gib"):
             row["headroom_vs_cap"] = round(1 - row["peak_reserved_gib"] / float(CAP_GIB), 3)
         table[label] = row

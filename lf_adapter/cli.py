@@ -126,7 +126,7 @@ def _print_plan(gen_or_result, model, hardware) -> None:
 
 
 @main.command()
-@click.option("--task", required=True, help="Task name (see `lfa tasks`).")
+@click.option("--task", help="Task name (see `lfa tasks`).")
 @click.option("--model", help="Local model folder or a catalog hub id (default: the task's model).")
 @click.option("--dataset", type=click.Path(), help="Alpaca-style jsonl (default: data/<task file> beside the recipe).")
 @click.option("--template", help="LLaMA-Factory chat template (default: the task's).")
@@ -152,6 +152,15 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
     from .recipe import GenerateRequest, generate as run_generate
     from .render import write_recipe_dir
 
+    if check:
+        from .review import check_goldens
+        drift = check_goldens(Path(out_dir or "recipes"))
+        for line in drift:
+            click.echo(line)
+        click.echo("golden recipes: " + ("DRIFT" if drift else "up to date"))
+        sys.exit(1 if drift else 0)
+    if not task:
+        raise click.UsageError("--task is required (or --check)")
     out = Path(out_dir or f"recipes/{task}")
     args = ["--task", task] + (["--model", model] if model else []) + (["--dataset", dataset] if dataset else []) \
         + (["--template", template] if template else []) + ["--hardware", hardware] \

@@ -72,7 +72,8 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     rate = peak * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
     if plan.liger:
         rate *= t["liger_speedup"]
-    seconds = t["micro_batch_overhead_s"] + flops / rate + t["optimizer_step_overhead_s"] / plan.grad_accum
+    overhead = t["micro_batch_overhead_s"] + (t["checkpointing_overhead_s"] if plan.gradient_checkpointing else 0.0)
+    seconds = overhead + flops / rate + t["optimizer_step_overhead_s"] / plan.grad_accum
     if plan.attention == "eager":
         seconds *= t["eager_attention_slowdown"]
     if plan.offload != "none":
@@ -124,7 +125,7 @@ def _rank_key(c: Candidate):
 
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
          options: PlanOptions = PlanOptions()) -> PlanResult:
-    vram = hardware.gpu.vram_gib if hardware.has_gpu else None
+    vram = hardware.gpu.vram_gib if hardware.has_gpu else (hardware.ram_gib or None)  # on CPU, host RAM
     seen, candidates = set(), []
     for p in candidate_plans(model, hardware, effective_batch, options):
         if p in seen:

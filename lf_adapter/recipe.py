@@ -60,7 +60,8 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
 
 def _stage1_model(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
     """norm2code starts from pseudo2norm's output: (model path for the recipe, model whose shape to plan for)."""
-    stage1 = request.out_dir.parent / task.model_from_task / f"{request.name}.yaml"
+    # layout recipes/<task>/<hardware>/: stage 1 lives at recipes/<model_from_task>/<same hardware>/
+    stage1 = request.out_dir.parent.parent / task.model_from_task / request.out_dir.name / f"{request.name}.yaml"
     if not stage1.is_file():
         raise UserError(f"task {task.name} trains on {task.model_from_task}'s output model: generate "
                         f"{task.model_from_task} into {stage1.parent} first, or pass --model")
