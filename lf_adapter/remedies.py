@@ -154,20 +154,24 @@ def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | No
 
 
 def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
-    """The first action of the class's ladder that was not tried yet and applies to this attempt."""
+    """The first step of the class's ladder that was not taken yet and applies to this attempt. Steps are
+    remembered in `tried` as "class:index"; a step whose action ends in * stays available while it applies."""
     if not failure.retriable or failure.kind == "unknown":
         return None
-    for action in failure_class(failure.kind).ladder:
-        if action in tried and action != "resume_as_is":
+    for index, step in enumerate(failure_class(failure.kind).ladder):
+        action, repeatable = step.rstrip("*"), step.endswith("*")
+        if f"{failure.kind}:{index}" in tried:
             continue
         if action in ACTIONS:
             result = ACTIONS[action](attempt, failure, context)
             if result is not None:
+                tried.update(() if repeatable else [f"{failure.kind}:{index}"])
                 plan, why = result
                 return Remedy(action, Attempt(plan, attempt.keys, attempt.env), why)
         else:
             result = _env_action(attempt, action, context)
             if result is not None:
+                tried.update(() if repeatable else [f"{failure.kind}:{index}"])
                 return Remedy(action, result[0], result[1])
     return None
 

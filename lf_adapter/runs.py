@@ -164,7 +164,7 @@ def _events_rate(events_follower: FileFollower, reader: LineReader, state: dict)
 
 
 def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
-                 reporter: Reporter, interrupted: dict) -> dict:
+                 reporter: Reporter, interrupted: dict, on_start) -> dict:
     log_path = run_dir / f"attempt-{n}.log"
     events_path = Path(env["LFA_EVENTS_FILE"])
     trainer_log = output_dir / "trainer_log.jsonl"
@@ -181,6 +181,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         started = time.time()
         process = start(command, cwd, env, log_file)
         interrupted["process"] = process
+        on_start(process.pid)
         follower = FileFollower(log_path)
         detected_at = None
         while True:
@@ -301,7 +302,11 @@ def supervise(request: TrainRequest) -> int:
                            overrides=overrides)
             ledger.attempts.append(record)
             ledger.save()
-            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted)
+            def on_start(pid, record=record):
+                record["trainer_pid"] = pid
+                ledger.save()
+
+            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start)
             tail = result.pop("tail")
             failure = classify(tail, result["returncode"])
             if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
@@ -336,7 +341,6 @@ def supervise(request: TrainRequest) -> int:
                 reporter.event("error", f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
                                kind=failure.kind)
                 return 1
-            tried.add(remedy.action)
             note = f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}"
             notes.append(note)
             record["remedy"] = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}

@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+
+from lf_adapter.hardware import load_profile
+from lf_adapter.monitor import LineReader, classify, parse_cuda_oom
+from lf_adapter.plan import Plan
+from lf_adapter.remedies import Attempt, Context, next_remedy
+
+FIXTURES = Path(__file__).parent / "fixtures" / "failures"
+
+
+@pytest.mark.parametrize("fixture, kind, retriable", [
+    ("cuda_oom_h200_lf095.log", "cuda_oom", True),
+    ("force_torchrun.log", "launch_force_torchrun", True),
+    ("launch_distributed.log", "launch_distributed", True),
+    ("bf16_unsupported.log", "bf16_unsupported", True),
+    ("liger_missing.log", "liger_missing", True),
+    ("disk_full_torch_save.log", "disk_full", True),
+    ("nccl_timeout.log", "nccl_timeout", True),
+    ("hub_network.log", "hub_network", True),
+    ("config_unknown_key.log", "config_error", False),
+    ("config_template.log", "config_error", False),
+])
+def test_real_error_texts_are_classified(fixture, kind, retriable):
+    failure = classify((FIXTURES / fixture).read_text().splitlines(), 1)
+    assert (failure.kind, failure.retriable) == (kind, retriable)
+    assert failure.evidence
+
+
+def test_cuda_oom_details_are_parsed_from_the_real_h200_message():
+    details = parse_cuda_oom((FIXTURES / "cuda_oom_h200_lf095.log").read_text())
+    assert details["asked_gib"] == 1.97 and details["allocated_gib"] == 29.0
+    assert details["reserved_unallocated_gib"] == 1.63 and details["capacity_gib"] == 139.8
+
+
+def test_sigkill_without_text_is_host_oom_and_clean_exit_is_no_failure():
+    assert classify(["step 3/10"], -9).kind == "host_oom_kill"
+    assert classify(["done"], 0) is None
+
+
+def test_oom_ladder_keeps_the_effective_batch():
+    hw = load_profile("v100-32g")
+    attempt, tried = Attempt(Plan("fp16", 8, 8, gradient_checkpointing=False)), set()
+    oom = classify((FIXTURES / "cuda_oom_h200_lf095.log").read_text().splitlines(), 1)
+    actions = []
+    for _ in range(6):
+        remedy = next_remedy(attempt, oom, Context(hw), tried)
+        actions.append(remedy.action)
+        attempt = remedy.attempt
+        assert attempt.plan.effective_batch_size == 64
+    assert actions == ["fragmentation", "halve_micro_batch", "gradient_checkpointing", "liger", "halve_micro_batch",
+                       "halve_micro_batch"]
+    assert attempt.plan.micro_batch_size == 1 and attempt.plan.grad_accum == 64
+
+
+def test_learning_rate_only_moves_with_permission():
+    hw = load_profile("v100-32g")
+    nan = classify(["lfa: non-finite loss or grad_norm"], 1)
+    attempt = Attempt(Plan("fp16", 8, 8, attention="eager"))
+    assert next_remedy(attempt, nan, Context(hw, learning_rate=3e-6), set()) is None
+    allowed = next_remedy(attempt, nan, Context(hw, allow_hparam_change=True, learning_rate=3e-6), set())
+    assert allowed.action == "lower_lr" and allowed.attempt.keys["learning_rate"] == 1.5e-6
+
+
+def test_nan_on_bf16_capable_card_goes_back_to_bf16():
+    nan = classify(["lfa: non-finite loss or grad_norm"], 1)
+    remedy = next_remedy(Attempt(Plan("fp16", 8, 8)), nan, Context(load_profile("a100-80g")), set())
+    assert remedy.action == "bf16_if_supported" and remedy.attempt.plan.precision == "bf16"
+
+
+def test_line_reader_handles_carriage_returns_bad_bytes_and_huge_lines():
+    reader = LineReader()
+    lines = reader.feed(b"  5%|#  | 1/20\r 10%|## | 2/20\rok \xff\xfe\n" + b"x" * 100000 + b"\n")
+    assert lines[0].strip().startswith("5%") and lines[2].startswith("ok \ufffd")
+    assert len(lines[3]) == 4000

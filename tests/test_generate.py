@@ -1,0 +1,122 @@
+import json
+
+import pytest
+import yaml
+
+from conftest import REPO, run_lfa
+from lf_adapter.hardware import load_profile
+from lf_adapter.model_spec import count_params_meta, load_model_spec
+from lf_adapter.planner import PlanOptions, plan
+from lf_adapter.review import check_goldens
+
+
+def test_precision_follows_compute_capability():
+    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    v100 = plan(spec, load_profile("v100-32g"), 64, 2048).chosen.plan
+    a100 = plan(spec, load_profile("a100-80g"), 64, 2048).chosen.plan
+    cpu = plan(load_model_spec("Qwen/Qwen2.5-Coder-0.5B"), load_profile("cpu"), 64, 2048).chosen.plan
+    assert (v100.precision, a100.precision, cpu.precision) == ("fp16", "bf16", "fp32")
+
+
+@pytest.mark.parametrize("profile", ["v100-32g", "a100-80g", "dgx-a100-80g", "dgx-h100-80g", "a40x4", "h200"])
+def test_every_plan_keeps_the_effective_batch_and_fits(profile):
+    hw = load_profile(profile)
+    result = plan(load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), hw, 64, 2048)
+    for candidate in [result.chosen] + result.runners_up:
+        assert candidate.plan.micro_batch_size * candidate.plan.grad_accum * hw.world_size == 64
+        assert candidate.memory.reserved_gib <= hw.gpu.vram_gib * 0.88
+    assert all(not c.fits for c in result.rejected)
+
+
+def test_one_gpu_avoids_deepspeed_unless_states_need_offload():
+    chosen = plan(load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200"), 64, 2048).chosen.plan
+    assert chosen.deepspeed is None
+    big = plan(load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile("a100-80g"), 64, 2048).chosen.plan
+    assert big.deepspeed is not None and big.offload != "none"  # 16 bytes x 6.7 B params > 80 GB
+
+
+def test_packing_only_when_allowed():
+    spec, hw = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("v100-32g")
+    assert not plan(spec, hw, 64, 2048).chosen.plan.packing
+    assert plan(spec, hw, 64, 2048, PlanOptions(allow_packing=True)).chosen.plan.packing
+
+
+def test_analytic_parameter_count_matches_meta_device(demo_assets):
+    model, _ = demo_assets
+    assert load_model_spec(str(model)).num_params == count_params_meta(str(model))
+
+
+def test_catalog_shape_matches_published_size():
+    assert abs(load_model_spec("LLM4Binary/llm4decompile-6.7b-v2").num_params / 1e9 - 6.74) < 0.01
+    assert abs(load_model_spec("Qwen/Qwen2.5-Coder-7B").num_params / 1e9 - 7.62) < 0.01
+
+
+def test_generated_recipe_is_valid_yaml_with_real_floats_and_comments(tmp_path):
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2",
+                     "--hardware", "dgx-a100-80g", "-o", tmp_path / "r")
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "r" / "train.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert isinstance(data["learning_rate"], float) and data["learning_rate"] == 3.0e-6
+    assert data["lr_scheduler_kwargs"]["min_lr"] == 3.0e-7
+    assert data["template"] == "sk2decompile" and data["bf16"] is True
+    assert data["per_device_train_batch_size"] * data["gradient_accumulation_steps"] * 8 == 64
+    assert "# precision:" in text and "# batch:" in text
+    launch = (tmp_path / "r" / "launch.sh").read_text()
+    assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="8"' in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+    info = json.loads((tmp_path / "r" / "dataset_info.json").read_text())
+    assert info["pseudo2norm"]["columns"] == {"prompt": "instruction", "query": "input", "response": "output"}
+
+
+def test_golden_recipes_match_the_generator():
+    assert check_goldens(REPO / "recipes") == []
+
+
+def test_golden_check_reports_drift(tmp_path):
+    import shutil
+
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    path = tmp_path / "recipes" / "pseudo2norm" / "h200" / "train.yaml"
+    path.write_text(path.read_text().replace("learning_rate: 3.0e-6", "learning_rate: 1.0e-5"))
+    drift = check_goldens(tmp_path / "recipes")
+    assert any("learning_rate" in line for line in drift)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "nope", "--hardware", "cpu"], "unknown task 'nope'"),
+    (["--task", "pseudo2norm", "--hardware", "cpu", "--model", "/no/such/model"], "does not exist"),
+    (["--task", "pseudo2norm", "--hardware", "cpu", "--dataset", "/no/such.jsonl"], "does not exist"),
+    (["--task", "pseudo2norm", "--hardware", "no-such-profile"], "no hardware profile"),
+])
+def test_bad_input_is_one_clear_error_exit_2(tmp_path, args, message):
+    result = run_lfa("generate", *args, "-o", tmp_path / "out")
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unreadable_dataset_and_bad_profile_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "", "input": "x", "output": "y"}\nnot json\n')
+    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--dataset", bad, "-o", tmp_path / "o")
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
+    profile = tmp_path / "box.yaml"
+    profile.write_text("gpu: {name: X, vram_gib: 10, compute_capability: seven}\n")
+    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", profile, "-o", tmp_path / "o2")
+    assert result.returncode == 2 and "not valid" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_existing_recipe_is_not_overwritten_without_force(tmp_path):
+    args = ["generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware", "h200",
+            "-o", tmp_path / "r"]
+    assert run_lfa(*args).returncode == 0
+    again = run_lfa(*args)
+    assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_detect_reports_cpu_and_saves_a_loadable_profile(tmp_path):
+    result = run_lfa("detect", "--json", "--no-network", "--save", tmp_path / "me.yaml")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["software"]) >= {"llamafactory", "transformers", "torch", "deepspeed", "liger-kernel", "flash-attn"}
+    loaded = load_profile(str(tmp_path / "me.yaml"))
+    assert loaded.gpus_per_node == report["profile"]["gpus_per_node"]

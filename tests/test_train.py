@@ -1,0 +1,116 @@
+"""End to end on the CPU with the real llamafactory-cli: train, injected OOM -> retry, kill -9 -> resume, SIGINT."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, run_lfa
+
+
+def _ledger(run_dir):
+    return json.loads((run_dir / "ledger.json").read_text())
+
+
+def _losses(output_dir):
+    return [json.loads(l) for l in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+
+
+def test_sk2decompile_template_is_registered_and_ends_with_one_eos(demo_assets):
+    from lf_adapter.plugin import hooks
+
+    hooks.install()
+    from llamafactory.data import template as lf_template
+    from transformers import AutoTokenizer
+
+    assert "sk2decompile" in lf_template.TEMPLATES
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_assets[0]))
+    prompt_ids, answer_ids = lf_template.TEMPLATES["sk2decompile"].encode_oneturn(
+        tokenizer, [{"role": "user", "content": "# This is the pseudo code:\nx\n"}, {"role": "assistant", "content": "int func1"}])
+    assert tokenizer.decode(prompt_ids) == "# This is the pseudo code:\nx\n"
+    assert answer_ids[-1] == tokenizer.eos_token_id and answer_ids.count(tokenizer.eos_token_id) == 1
+
+
+def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "2"))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    output = recipe.parent / "saves" / "pseudo2norm"
+    logs = [r for r in _losses(output) if "loss" in r]
+    assert logs[-1]["current_steps"] == 30 and logs[-1]["loss"] < logs[0]["loss"] * 0.8
+    assert (output / "model.safetensors").is_file()
+    ledger = _ledger(tmp_path / "run")
+    assert ledger["status"] == "succeeded" and len(ledger["attempts"]) == 1
+    assert (tmp_path / "run" / "attempt-1.log").read_text().count("llamafactory") > 0
+
+
+def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, tmp_path):
+    import re
+
+    recipe = cpu_recipe("max_steps=3")
+    text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
+    recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 1", text))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "5",
+                     env={"LFA_INJECT_OOM_ABOVE_MBS": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempts = _ledger(tmp_path / "run")["attempts"]
+    kinds = [(a.get("failure") or {}).get("kind") for a in attempts]
+    assert kinds[:-1] == ["cuda_oom"] * (len(attempts) - 1) and kinds[-1] is None
+    assert [a["remedy"]["action"] for a in attempts[:-1]][:2] == ["fragmentation", "halve_micro_batch"]
+    assert "torch.OutOfMemoryError: CUDA out of memory" in (tmp_path / "run" / "attempt-1.log").read_text()
+    final = attempts[-1]["overrides"]
+    assert final["per_device_train_batch_size"] == 2 and final["gradient_accumulation_steps"] == 4
+    resolved = recipe.with_name("train.resolved.yaml").read_text()
+    assert resolved.startswith("# lfa train resolved this recipe") and "per_device_train_batch_size: 2" in resolved
+
+
+def _start_train(recipe, run_dir, env):
+    full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--run-dir", str(run_dir)],
+                            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _events(run_dir):
+    path = run_dir / "events.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=14", extra=("--save-steps", "4", "--logging-steps", "1"))
+    run_dir = tmp_path / "run"
+    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.4"})
+    saved = lambda: any(e["event"] == "save" and e["global_step"] >= 4 for e in _events(run_dir)) and \
+        any(e["event"] == "step" and e["global_step"] >= 6 for e in _events(run_dir))
+    assert _wait_for(saved), supervisor.communicate()[0]
+    os.kill(_ledger(run_dir)["attempts"][0]["trainer_pid"], signal.SIGKILL)
+    out, _ = supervisor.communicate(timeout=300)
+    assert supervisor.returncode == 0, out
+    first, second = _ledger(run_dir)["attempts"][:2]
+    assert first["failure"]["kind"] == "host_oom_kill" and first["returncode"] == -9
+    checkpoint_step = int(second["resumed_from"].rsplit("-", 1)[1])
+    assert checkpoint_step >= 4 and second["first_step"] == checkpoint_step + 1
+    assert second["last_step"] == 14
+
+
+def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=200", extra=("--logging-steps", "1"))
+    run_dir = tmp_path / "run"
+    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+    assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
+    supervisor.send_signal(signal.SIGINT)
+    supervisor.communicate(timeout=120)
+    assert supervisor.returncode == 130
+    ledger = _ledger(run_dir)
+    assert ledger["status"] == "stopped"
+    pid = ledger["attempts"][0]["trainer_pid"]
+    assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
