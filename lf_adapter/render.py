@@ -53,7 +53,10 @@ class RecipeInputs:
     meta: dict = field(default_factory=dict)
 
 
-def _yaml_scalar(value) -> str:
+def yaml_scalar(value) -> str:
+    """A value as a YAML scalar for LLaMA-Factory: true/false, 3.0e-6, null."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -95,7 +98,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
         preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,
         output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
-        save_total_limit=3, extra={k: _yaml_scalar(v) for k, v in inputs.extra.items()})
+        save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()})
     files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
     env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
                    for e in launch_env(plan, offline=inputs.offline)]

@@ -22,7 +22,7 @@ from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify
 from .plan import Plan
 from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
-from .render import deepspeed_file_name, render_deepspeed, yaml_float
+from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
 
 LIVE_FATAL = {"cuda_oom", "nccl_timeout"}  # stop the trainer at the first line: it cannot recover by itself
 POLL_S = 0.1
@@ -53,14 +53,6 @@ def plan_keys(plan: Plan) -> dict:
         "packing": plan.packing,
         "deepspeed": deepspeed_file_name(plan),
     }
-
-
-def _scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return yaml_float(value)
-    return "null" if value is None else str(value)
 
 
 def key_changes(recipe: Recipe, attempt: Attempt) -> dict:
