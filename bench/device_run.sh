@@ -1,19 +1,22 @@
 #!/bin/bash
-# On the lent H200 (device tool), from the repo root: install the carried wheels, build the assets, run a bench.
+# On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
+# build the assets, run a bench; results land in $OUT.
 # usage: bash bench/device_run.sh calibrate|seed [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 W=/tmp/w; mkdir -p $W
+df -h /tmp | tail -1
+nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,noheader
 [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning
-nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader
 cmd=$1; shift
 if [ "$cmd" = calibrate ]; then
   [ -f $W/model_350m/config.json ] || python3 bench/make_assets.py $W 350m 2>&1 | grep -v Warning
   python3 bench/calibrate.py $W $OUT/calibration.json "$@" 2>&1 | grep -E "CALIB|Traceback|Error" | tee $OUT/calibrate.txt
 fi
 if [ "$cmd" = seed ]; then
-  python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | tail -40 | tee $OUT/seed.txt
+  timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^[a-z0-9_]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt
   (cd $OUT && tar czf seed_logs.tgz seed/*.log && rm -f seed/*.log)
 fi
+df -h /tmp | tail -1

@@ -1,11 +1,27 @@
 """The seed scenario on one GPU: DeepSeek-Coder-1.3B shape (random weights), pseudo2norm-shaped data, cutoff 2048,
 a 31.73 GiB card emulated by capping the CUDA allocator (lfa plugin, LFA_EMULATE_VRAM_GIB).
 
-Compared in one run: the original recipe (must OOM; run through `lfa train`, which must recover in one retry),
-the seed's manual fix (fp16, bs1, ga16; plain llamafactory-cli), lfa's recipes for the v100-32g profile (default,
-and with --allow-packing), and lfa's recipes for the full h200 profile (MFU). Prints a table, writes JSON.
+Every run is measured the same way: the lfa plugin writes one event per optimizer step (wall time and the step's
+non-pad tokens, counted on the device without a per-micro-batch sync), and the table reports steady-state
+non-pad tokens/s over steps 2..N (step 1 carries CUDA/cuBLAS warm-up and optimizer-state allocation), next to
+LLaMA-Factory's own effective_tokens_per_sec (whole run, warm-up included). Peak memory is torch's
+max_memory_reserved in the trainer process.
 
-usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6]
+Runs (pick with --only a,b):
+  original        the paper's recipe as the seed author copied it (bf16 bs8 ga8), through `lfa train`: must OOM
+                  at the cap and recover; reports the OOM line -> relaunch time
+  seed_fix        the seed author's manual fix (fp16 bs1 ga16), plain llamafactory-cli, capped
+  capped          lfa generate --hardware h200-capped-32g --precision fp16: lfa's plan for the card the bench
+                  runs on (H200 compute, the seed card's 31.73 GiB and fp16); runs A-D called it "v100"
+  capped_syncs    the same with the two per-micro-batch GPU syncs lfa removes put back
+  capped_unsorted the same with --no-sorted-steps
+  capped_no_expandable  the same with the default caching allocator (--pin alloc_conf=none)
+  capped_packing  --allow-packing
+  v100_golden     lfa's plan for a real V100 (compute-bound: mbs1, no checkpointing), run on the capped H200
+  h200, h200_packing           lfa's plans for the whole H200 (uncapped): MFU
+  h200_zero2_offload, h200_zero3  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the h200 plan
+
+usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix]
 """
 from __future__ import annotations
 
@@ -23,8 +39,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 
-CAP_GIB = "31.73"
+CAP_GIB = 31.73
 H200_PEAK = 989e12
+SYNCS_BACK = ("include_num_input_tokens_seen=true", "logging_nan_inf_filter=true")
+# label -> (profile, generate args, extra lfa-train --set, capped)
+# (the bench keeps each run's disk use small: no checkpoints, and LFA_BENCH_SKIP_FINAL_SAVE skips the final save)
+FP16 = ["--precision", "fp16"]
+GENERATED = {
+    "capped": ("h200-capped-32g", FP16, [], True),
+    "capped_syncs": ("h200-capped-32g", FP16, list(SYNCS_BACK), True),
+    "capped_unsorted": ("h200-capped-32g", FP16 + ["--no-sorted-steps"], [], True),
+    "capped_no_expandable": ("h200-capped-32g", FP16 + ["--pin", "alloc_conf=none"], [], True),
+    "capped_packing": ("h200-capped-32g", FP16 + ["--allow-packing"], [], True),
+    "v100_golden": ("v100-32g", [], [], True),
+    "h200": ("h200", [], [], False),
+    "h200_packing": ("h200", ["--allow-packing"], [], False),
+    "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
+    "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
+}
 
 
 def lfa(*args, env=None, log=None) -> int:
@@ -45,40 +77,126 @@ def prepare_hand_recipe(name: str, work: Path, assets: Path, steps: int) -> Path
     return folder / "train.yaml"
 
 
-def results(recipe: Path, log: Path, spec, seq: int) -> dict:
+def steady_state(events_file: Path) -> dict:
+    """Non-pad tokens/s over optimizer steps 2..N from the plugin's step events."""
+    if not events_file.exists():
+        return {}
+    events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
+    steps = [e for e in events if e.get("event") == "step" and e.get("step_tokens")]
+    begin = [e for e in events if e.get("event") == "train_begin"]
+    row = {"sampler": begin[-1].get("sampler") if begin else None, "steps_measured": max(0, len(steps) - 1),
+           "alloc_retries": steps[-1].get("alloc_retries") if steps else None}
+    if len(steps) > 1:
+        tokens, seconds = sum(s["step_tokens"] for s in steps[1:]), sum(s["step_time_s"] for s in steps[1:])
+        row.update(steady_tokens_per_s=round(tokens / seconds), step_time_s=round(seconds / (len(steps) - 1), 3),
+                   tokens_per_step=round(tokens / (len(steps) - 1)))
+    return row
+
+
+def measure(recipe: Path, log_text: str, events_file: Path, spec) -> dict:
     import yaml
 
     data = yaml.safe_load(recipe.read_text())
     out = recipe.parent / data["output_dir"]
-    res = json.loads((out / "train_results.json").read_text()) if (out / "train_results.json").exists() else {}
-    text = log.read_text(errors="replace") if log.exists() else ""
-    peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+)", text)
-    oom = re.search(r"CUDA out of memory\. Tried to allocate [^\n]*", text)
-    row = {"effective_tokens_per_s": res.get("effective_tokens_per_sec"), "train_runtime_s": res.get("train_runtime"),
-           "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
-           "peak_reserved_gib": float(peaks[-1][1]) if peaks else None, "oom": oom.group(0)[:240] if oom else None,
+    results_file = out / "train_results.json"
+    res = json.loads(results_file.read_text()) if results_file.exists() else {}
+    peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+)", log_text)
+    oom = re.search(r"CUDA out of memory\. Tried to allocate [^\n]*", log_text)
+    row = {"precision": "bf16" if data.get("bf16") else "fp16" if data.get("fp16") else "fp32",
            "micro_batch": data.get("per_device_train_batch_size"), "grad_accum": data.get("gradient_accumulation_steps"),
-           "precision": "bf16" if data.get("bf16") else "fp16" if data.get("fp16") else "fp32"}
+           "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
+           "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
+           "lf_effective_tokens_per_s_incl_warmup": res.get("effective_tokens_per_sec"),
+           "train_runtime_s": res.get("train_runtime"), "oom": oom.group(0)[:240] if oom else None}
     row["effective_batch"] = (row["micro_batch"] or 0) * (row["grad_accum"] or 0)
-    events = recipe.parent.parent / "runs" / recipe.parent.name / "events.jsonl"
-    if events.exists() and res.get("effective_tokens_per_sec") and res.get("train_runtime"):
-        steps = [json.loads(l) for l in events.read_text().splitlines() if '"event": "step"' in l]
-        if len(steps) > 2:
-            total_eff = res["effective_tokens_per_sec"] * res["train_runtime"]
-            per_step = total_eff / len(steps)
-            steady = sum(s["step_time_s"] for s in steps[1:])
-            row["steady_effective_tokens_per_s"] = per_step * (len(steps) - 1) / steady
-            row["steady_mfu"] = row["steady_effective_tokens_per_s"] * spec.flops_per_token(seq) / H200_PEAK
-    if row["effective_tokens_per_s"]:
-        row["mfu_incl_warmup"] = row["effective_tokens_per_s"] * spec.flops_per_token(seq) / H200_PEAK
+    row.update(steady_state(events_file))
+    if row.get("steady_tokens_per_s"):
+        # MFU with 6N + attention at cutoff_len per token (the issue's accounting), against the H200's 989 TFLOP/s
+        row["mfu"] = round(row["steady_tokens_per_s"] * spec.flops_per_token(2048) / H200_PEAK, 4)
     return row
+
+
+def run_original(work: Path, assets: Path, out: Path, env: dict, spec) -> dict:
+    recipe = prepare_hand_recipe("original", work, assets, 4)
+    run_dir = work / "runs" / "original"
+    rc = lfa("train", str(recipe), "--run-dir", str(run_dir), "--max-attempts", "3", env=env, log=out / "original.log")
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    attempts = ledger["attempts"]
+    first_failure = attempts[0].get("failure") or {}
+    row = {"lfa_train_rc": rc, "attempts": len(attempts), "first_attempt_failure": first_failure.get("kind"),
+           "oom_evidence": first_failure.get("evidence"), "oom_details": first_failure.get("details"),
+           "remedies": [a["remedy"]["why"] for a in attempts if a.get("remedy")]}
+    if len(attempts) > 1 and attempts[0].get("live_stop"):
+        row["oom_line_to_relaunch_s"] = round(attempts[1]["started_at"] - attempts[0]["live_stop"]["detected_at"], 3)
+    for i, attempt in enumerate(attempts, 1):
+        shutil.copy(run_dir / attempt["log"], out / f"original-attempt-{i}.log")
+    last_log = (run_dir / attempts[-1]["log"]).read_text(errors="replace")
+    row.update(measure(recipe, last_log, run_dir / "events.jsonl", spec))
+    return row
+
+
+def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: int) -> dict:
+    recipe = prepare_hand_recipe("seed_fix", work, assets, steps)
+    events = work / "seed_fix.events.jsonl"
+    boot = str(REPO / "lf_adapter" / "plugin" / "boot")
+    run_env = {**env, "LFA_EVENTS_FILE": str(events),
+               "PYTHONPATH": os.pathsep.join(filter(None, [boot, str(REPO), env.get("PYTHONPATH")]))}
+    log = out / "seed_fix.log"
+    with open(log, "wb") as fh:
+        subprocess.call(["llamafactory-cli", "train", "train.yaml"], cwd=recipe.parent, env=run_env, stdout=fh,
+                        stderr=subprocess.STDOUT)
+    return measure(recipe, log.read_text(errors="replace"), events, spec)
+
+
+def run_generated(label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int) -> dict:
+    profile, gen_args, train_sets, _ = GENERATED[label]
+    folder, run_dir = work / label, work / "runs" / label
+    lfa("generate", "--task", "pseudo2norm", "--model", str(assets / "model"), "--dataset",
+        str(assets / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args, "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+        "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force", log=out / f"{label}.gen.log")
+    started = time.time()
+    rc = lfa("train", str(folder / "train.yaml"), "--run-dir", str(run_dir), "--max-attempts", "2",
+             *[x for s in train_sets for x in ("--set", s)], env=env, log=out / f"{label}.log")
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    attempts = ledger["attempts"]
+    meta = json.loads(next(line[12:] for line in (folder / "train.yaml").read_text().splitlines()
+                           if line.startswith("# lfa-meta: ")))
+    row = {"lfa_train_rc": rc, "attempts": len(attempts), "plan": attempts[0]["plan"],
+           "first_try_fit": attempts[0].get("failure") is None, "wall_s": round(time.time() - started, 1),
+           "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
+           "predicted_tokens_per_s": meta.get("predicted_tokens_per_s")}
+    if attempts[0].get("failure"):
+        row["first_failure"] = attempts[0]["failure"]["kind"]
+    for i, attempt in enumerate(attempts, 1):  # the trainer's own output, for failures
+        shutil.copy(run_dir / attempt["log"], out / f"{label}-attempt-{i}.log")
+    row.update(measure(folder / "train.yaml", (run_dir / attempts[-1]["log"]).read_text(errors="replace"),
+                       run_dir / "events.jsonl", spec))
+    shutil.rmtree(folder / "saves", ignore_errors=True)
+    return row
+
+
+def print_table(table: dict) -> None:
+    seed = (table.get("seed_fix") or {}).get("steady_tokens_per_s")
+    print(f"{'run':20s} {'plan':48s} {'batch':>5s} {'peak res':>8s} {'headroom':>8s} {'steady tok/s':>12s} "
+          f"{'x seed':>6s} {'MFU':>6s} {'LF eff tok/s':>12s}")
+    for label, row in table.items():
+        tps = row.get("steady_tokens_per_s")
+        ratio = f"{tps / seed:.2f}x" if tps and seed else "-"
+        mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "-"
+        capped = label in ("original", "seed_fix") or GENERATED.get(label, (None, None, None, False))[3]
+        headroom = f"{1 - row['peak_reserved_gib'] / CAP_GIB:.1%}" if capped and row.get("peak_reserved_gib") else "-"
+        print(f"{label:20s} {str(row.get('plan', '(hand-written)'))[:48]:48s} {row.get('effective_batch', 0):5d} "
+              f"{row.get('peak_reserved_gib') or 0:8.2f} {headroom:>8s} {tps or 0:12,.0f} "
+              f"{ratio:>6s} {mfu:>6s} "
+              f"{row.get('lf_effective_tokens_per_s_incl_warmup') or 0:12,.0f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("assets", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of 64 rows per lfa run")
+    parser.add_argument("--seed-steps", type=int, default=10, help="steps of 16 rows for the seed fix")
     parser.add_argument("--only", default="")
     args = parser.parse_args()
     work = args.assets / "seed"
@@ -86,82 +204,25 @@ def main() -> None:
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_model_spec(str(args.assets / "model"))
-    base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
-    capped = {**base_env, "LFA_EMULATE_VRAM_GIB": CAP_GIB}
-    table = {}
-    only = set(filter(None, args.only.split(",")))
-
-    def wanted(name):
-        return not only or name in only
-
-    # 1. the original recipe through lfa train: a real OOM at 31.73 GiB, then lfa's retry
-    if wanted("original"):
-        recipe = prepare_hand_recipe("original", work, args.assets, 4)
-        log = args.out / "original.log"
-        rc = lfa("train", str(recipe), "--run-dir", str(work / "runs" / "original"), "--max-attempts", "3",
-                 env=capped, log=log)
-        ledger = json.loads((work / "runs" / "original" / "ledger.json").read_text())
-        attempts = ledger["attempts"]
-        row = {"lfa_train_rc": rc, "attempts": len(attempts),
-               "first_attempt_failure": (attempts[0].get("failure") or {}).get("kind"),
-               "oom_evidence": (attempts[0].get("failure") or {}).get("evidence"),
-               "oom_details": (attempts[0].get("failure") or {}).get("details"),
-               "remedies": [a.get("remedy", {}).get("why") for a in attempts if a.get("remedy")]}
-        if len(attempts) > 1 and attempts[0].get("live_stop"):
-            row["oom_line_to_relaunch_s"] = round(attempts[1]["started_at"] - attempts[0]["live_stop"]["detected_at"], 3)
-        for i, a in enumerate(attempts, 1):
-            shutil.copy(work / "runs" / "original" / a["log"], args.out / f"original-attempt-{i}.log")
-        row.update(results(recipe, work / "runs" / "original" / attempts[-1]["log"], spec, 2048))
-        row["resolved_recipe"] = ledger.get("resolved_recipe")
-        shutil.rmtree(recipe.parent / "saves", ignore_errors=True)
-        table["original (bf16 bs8 ga8) -> lfa train retry"] = row
-
-    # 2. the seed's manual fix, launched the way the seed author did
-    if wanted("seed_fix"):
-        recipe = prepare_hand_recipe("seed_fix", work, args.assets, 12)
-        log = args.out / "seed_fix.log"
-        env = {**capped, "PYTHONPATH": str(REPO / "lf_adapter" / "plugin" / "boot") + os.pathsep + base_env.get("PYTHONPATH", "")}
-        with open(log, "wb") as out:
-            subprocess.call(["llamafactory-cli", "train", "train.yaml"], cwd=recipe.parent, env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
-        table["seed fix (fp16 bs1 ga16)"] = results(recipe, log, spec, 2048)
-        shutil.rmtree(recipe.parent / "saves", ignore_errors=True)
-
-    # 3. lfa's generated recipes
-    generated = [("lfa v100-32g", "v100-32g", [], capped), ("lfa v100-32g --allow-packing", "v100-32g", ["--allow-packing"], capped),
-                 ("lfa h200", "h200", [], base_env), ("lfa h200 --allow-packing", "h200", ["--allow-packing"], base_env)]
-    for label, profile, extra, env in generated:
-        key = label.replace(" ", "_").replace("--", "")
-        if not wanted(key):
-            continue
-        folder = work / key
-        lfa("generate", "--task", "pseudo2norm", "--model", str(args.assets / "model"), "--dataset",
-            str(args.assets / "pseudo2norm.jsonl"), "--hardware", profile, *extra, "--set", f"max_steps={args.steps}",
-            "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force", log=args.out / f"{key}.gen.log")
-        rc = lfa("train", str(folder / "train.yaml"), "--run-dir", str(work / "runs" / key), "--max-attempts", "2",
-                 env=env, log=args.out / f"{key}.log")
-        ledger = json.loads((work / "runs" / key / "ledger.json").read_text())
-        row = {"lfa_train_rc": rc, "attempts": len(ledger["attempts"]), "plan": ledger["attempts"][0]["plan"],
-               "first_try_fit": ledger["attempts"][0].get("failure") is None}
-        meta = [l for l in (folder / "train.yaml").read_text().splitlines() if l.startswith("# lfa-meta: ")]
-        if meta:
-            m = json.loads(meta[0][12:])
-            row.update(predicted_reserved_gib=m.get("predicted_reserved_gib"), predicted_tokens_per_s=m.get("predicted_tokens_per_s"))
-        row.update(results(folder / "train.yaml", work / "runs" / key / ledger["attempts"][-1]["log"], spec, 2048))
-        shutil.rmtree(folder / "saves", ignore_errors=True)  # a 1.3B fp32 save is 5 GiB; the device disk is small
-        if env is capped and row.get("peak_reserved_gib"):
-            row["headroom_vs_cap"] = round(1 - row["peak_reserved_gib"] / float(CAP_GIB), 3)
-        table[label] = row
-
-    seed = (table.get("seed fix (fp16 bs1 ga16)") or {}).get("effective_tokens_per_s")
-    print(f"{'run':42s} {'eff.batch':>9s} {'peak res GiB':>12s} {'eff tok/s':>10s} {'x seed':>7s} {'steady MFU':>10s}")
-    for label, row in table.items():
-        tps = row.get("effective_tokens_per_s")
-        ratio = f"{tps / seed:.2f}x" if tps and seed else "-"
-        mfu = f"{row['steady_mfu']:.1%}" if row.get("steady_mfu") else "-"
-        print(f"{label:42s} {row.get('effective_batch', 0):9d} {row.get('peak_reserved_gib') or 0:12.2f} "
-              f"{tps or 0:10,.0f} {ratio:>7s} {mfu:>10s}")
-    (args.out / "seed_scenario.json").write_text(json.dumps(table, indent=1, default=str))
+    base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    capped_env = {**base_env, "LFA_EMULATE_VRAM_GIB": str(CAP_GIB)}
+    order = ["original", "seed_fix", *GENERATED]
+    wanted = [name for name in args.only.split(",") if name in order] if args.only else order
+    results_file = args.out / "seed_scenario.json"
+    table = json.loads(results_file.read_text()) if results_file.exists() else {}
+    for name in wanted:
+        started = time.time()
+        if name == "original":
+            table[name] = run_original(work, args.assets, args.out, capped_env, spec)
+        elif name == "seed_fix":
+            table[name] = run_seed_fix(work, args.assets, args.out, capped_env, spec, args.seed_steps)
+        else:
+            env = capped_env if GENERATED[name][3] else base_env
+            table[name] = run_generated(name, work, args.assets, args.out, env, spec, args.steps)
+        print(f"BENCH {name} done in {time.time() - started:.0f}s: {json.dumps(table[name], default=str)[:400]}",
+              flush=True)
+        results_file.write_text(json.dumps(table, indent=1, default=str))
+    print_table(table)
 
 
 if __name__ == "__main__":

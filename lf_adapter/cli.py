@@ -134,6 +134,11 @@ def _print_plan(gen_or_result, model, hardware) -> None:
 @click.option("--gpus", type=int, help="Use only this many GPUs of the profile.")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), help="Pin the precision.")
 @click.option("--allow-packing", is_flag=True, help="Let the planner pack rows (faster; a batch is no longer N rows).")
+@click.option("--pin", "pins", multiple=True, metavar="FIELD=VALUE",
+              help="Fix a plan field the planner would choose: micro_batch_size, gradient_checkpointing, liger, "
+                   "attention, deepspeed (zero2|zero3|none), offload (none|optimizer|all).")
+@click.option("--no-sorted-steps", is_flag=True,
+              help="Keep random micro-batches (default: sort each step's rows by length into micro-batches).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a task hyper-parameter (learning_rate, effective_batch_size, max_steps...) or add an LF key.")
 @click.option("--save-steps", type=int, default=500, show_default=True)
@@ -143,7 +148,7 @@ def _print_plan(gen_or_result, model, hardware) -> None:
 @click.option("--check", is_flag=True, help="Regenerate every golden recipe in recipes/ and fail on drift.")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, sets, save_steps,
+def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, no_sorted_steps, sets, save_steps,
              logging_steps, out_dir, force, check, as_json):
     """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
 
@@ -165,9 +170,12 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
     args = ["--task", task] + (["--model", model] if model else []) + (["--dataset", dataset] if dataset else []) \
         + (["--template", template] if template else []) + ["--hardware", hardware] \
         + (["--gpus", str(gpus)] if gpus else []) + (["--precision", precision] if precision else []) \
-        + (["--allow-packing"] if allow_packing else []) + [x for s in sets for x in ("--set", s)]
+        + (["--allow-packing"] if allow_packing else []) + (["--no-sorted-steps"] if no_sorted_steps else []) \
+        + [x for s in pins for x in ("--pin", s)] \
+        + [x for s in sets for x in ("--set", s)]
     request = GenerateRequest(task=task, out_dir=out, model=model, dataset=dataset, template=template,
                               hardware=hardware, gpus=gpus, allow_packing=allow_packing, precision=precision,
+                              sort_steps=not no_sorted_steps, pins=tuple(pins),
                               sets=tuple(sets), save_steps=save_steps, logging_steps=logging_steps,
                               command="lfa generate " + shlex.join(args))
     gen = run_generate(request)

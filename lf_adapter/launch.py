@@ -39,10 +39,16 @@ def launch_env(plan: Plan, offline: bool, master_port: int = 29500) -> list[Laun
             LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
         ]
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    env.append(LaunchEnv("LFA_DROP_PADDING_MASK", "1", "lfa plugin: right-padded batches train without a padding mask "
+                                                        "(exact under causal attention; SDPA keeps its flash kernel)"))
+    if plan.sorted_steps:
+        env.append(LaunchEnv("LFA_SORTED_STEPS", "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
+                                                       "step (same rows per step, less padding)"))
     if plan.alloc_conf:
         if distributed:
             env.append(LaunchEnv("OPTIM_TORCH", "0", "otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children"))
-        env.append(LaunchEnv("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf, "allocator setting chosen by lfa (fragmentation)"))
+        env.append(LaunchEnv("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf, "allocator: reuse memory across changing "
+                                                                         "micro-batch shapes instead of fragmenting it"))
     return env
 
 

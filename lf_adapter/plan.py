@@ -19,6 +19,7 @@ class Plan:
     deepspeed: str | None = None  # None | zero2 | zero3
     offload: str = "none"  # none | optimizer | all
     packing: bool = False
+    sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     reasons: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -39,4 +40,6 @@ class Plan:
             parts.append(self.deepspeed + ("" if self.offload == "none" else f"-offload-{self.offload}"))
         if self.packing:
             parts.append("packing")
+        if self.sorted_steps:
+            parts.append("sorted")
         return "/".join(parts)

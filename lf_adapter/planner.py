@@ -10,14 +10,18 @@ from .memory import DEFAULT_HEADROOM, MemoryBreakdown, coefficients, estimate
 from .model_spec import ModelSpec
 from .plan import Plan
 
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
 
 @dataclass(frozen=True)
 class PlanOptions:
     allow_packing: bool = False
     allow_deepspeed: bool = True
+    alloc_conf: str | None = EXPANDABLE_SEGMENTS  # PYTORCH_CUDA_ALLOC_CONF for GPU plans
     liger_available: bool = True  # liger-kernel needs a CUDA GPU with Triton
     flash_attn_available: bool = False
     headroom: float = DEFAULT_HEADROOM
+    sort_steps: bool = True  # length-sorted micro-batches inside each step (no change to what a step trains on)
     mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
 
@@ -57,38 +61,52 @@ def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
 
 def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
                          mean_seq_fraction: float) -> float:
-    """Throughput model: time per micro-batch = fixed overhead + padded FLOPs / achievable FLOP/s."""
+    """Throughput model (coefficients in templates/memory_model.yaml, fitted in bench/README.md): the CPU launches
+    a micro-batch's kernels while the GPU runs the previous ones, so a micro-batch takes the longer of the two;
+    then the optimizer step, DeepSpeed offload and gradient exchange once per step."""
     t = coefficients()["throughput"]
     fill = 0.98 if plan.packing else mean_seq_fraction
-    # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row
-    padded_len = seq_len if (plan.packing or plan.micro_batch_size > 1) else seq_len * mean_seq_fraction
+    # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
+    # the step's rows were sorted by length so that each micro-batch holds rows of similar length
+    if plan.packing or plan.micro_batch_size == 1:
+        padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction
+    elif plan.sorted_steps:
+        padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
+    else:
+        padded_len = seq_len
     real_tokens = plan.micro_batch_size * seq_len * fill
     flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len)
     if plan.gradient_checkpointing:
         flops *= 4.0 / 3.0  # one more forward pass per layer
     if not hardware.has_gpu:
         return real_tokens / (flops / t["cpu_flops"])
-    peak = hardware.gpu.peak_tflops_16bit * 1e12
-    rate = peak * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
-    if plan.liger:
-        rate *= t["liger_speedup"]
-    overhead = t["micro_batch_overhead_s"] + (t["checkpointing_overhead_s"] if plan.gradient_checkpointing else 0.0)
-    seconds = overhead + flops / rate + t["optimizer_step_overhead_s"] / plan.grad_accum
-    if plan.attention == "eager":
-        seconds *= t["eager_attention_slowdown"]
-    if plan.offload != "none":
-        # CPU Adam over the partition, and 16-bit grads down / params up over PCIe, once per optimizer step
-        partition = model.num_params / plan.world_size
-        seconds += (partition / 1.0e9 + 2 * 2.0 * partition / 12e9) / plan.grad_accum
-        if plan.offload == "all":
-            seconds += 2.0 * model.num_params / 12e9 * 2  # ZeRO-3 fetches every layer's params, fwd and bwd
+    gpu = hardware.gpu
+    rate = gpu.peak_tflops_16bit * 1e12 * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
+    if not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
+        rate *= t["variable_shape_efficiency"]
+    if plan.gradient_checkpointing:
+        rate *= t["checkpointing_gpu_efficiency"]
+    gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
+    cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"]
+                                                          if plan.gradient_checkpointing else 1.0)
+    zero3_fetch_s = 0.0  # ZeRO-3 gathers every layer's 16-bit parameters for the forward and again for the backward
+    if plan.deepspeed == "zero3" and plan.offload == "all":
+        zero3_fetch_s = 2 * 2.0 * model.num_params / t["pcie_bytes_per_s"]
+    elif plan.deepspeed == "zero3" and plan.world_size > 1:
+        zero3_fetch_s = 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
+    step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
+    partition = model.num_params / (plan.world_size if plan.deepspeed else 1)
+    step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    if plan.offload != "none":  # CPU Adam over the partition; 16-bit gradients down and parameters back up
+        step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / t["pcie_bytes_per_s"]
     if plan.world_size > 1:
-        bandwidth = 150e9 if hardware.interconnect == "nvlink" else 12e9
-        grad_bytes = 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size
-        seconds += grad_bytes / bandwidth / plan.grad_accum
-        if plan.deepspeed == "zero3":
-            seconds += 1.5 * grad_bytes / bandwidth
-    return real_tokens * plan.world_size / seconds
+        step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
+    return real_tokens * plan.grad_accum * plan.world_size / step_s
+
+
+def _link_bytes_per_s(hardware: HardwareProfile) -> float:
+    t = coefficients()["throughput"]
+    return t["nvlink_bytes_per_s"] if hardware.interconnect == "nvlink" else t["pcie_bytes_per_s"]
 
 
 def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions):
@@ -103,8 +121,8 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     packing = [True, False] if options.allow_packing else [False]
     if on_cpu or not options.allow_deepspeed:
         ds = [(None, "none")]
-    elif world == 1:  # on one GPU DeepSpeed only pays when it offloads model states to the CPU
-        ds = [(None, "none"), ("zero2", "optimizer"), ("zero3", "all")]
+    elif world == 1:  # on one GPU DeepSpeed only pays when it offloads model states (plan() prefers no DeepSpeed)
+        ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "all")]
     else:
         ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
               ("zero3", "all")]
@@ -112,15 +130,30 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
             _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing):
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
                     world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
-                    attention=attn, deepspeed=stage, offload=offload, packing=pack)
-        if all(getattr(plan, key) == value for key, value in options.fixed.items()):
+                    attention=attn, deepspeed=stage, offload=offload, packing=pack,
+                    sorted_steps=options.sort_steps and mbs > 1 and not pack,
+                    alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf))
+        if all(getattr(plan, key) == value for key, value in options.fixed.items() if key != "alloc_conf"):
             yield plan
 
 
-def _rank_key(c: Candidate):
-    # fastest first; among near-ties prefer simpler launches (no DeepSpeed, no offload)
-    simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none")
-    return (-round(c.tokens_per_s, -2), simplicity, -c.plan.micro_batch_size)
+NEAR_TIE = 0.05  # predictions closer than this are within the throughput model's error (bench/README.md)
+
+
+def rank(fitting: list[Candidate]) -> list[Candidate]:
+    """Fastest first, except that plans within NEAR_TIE of the fastest count as ties: among them prefer simpler
+    launches (no DeepSpeed, no offload), then larger micro-batches (the per-micro-batch overhead is the least
+    certain term of the model), then less memory."""
+    if not fitting:
+        return []
+    best = max(c.tokens_per_s for c in fitting)
+
+    def key(c: Candidate):
+        simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none")
+        tied = c.tokens_per_s >= best * (1.0 - NEAR_TIE)
+        return (not tied, simplicity if tied else 0, -c.plan.micro_batch_size if tied else 0, -c.tokens_per_s,
+                c.memory.reserved_gib)
+    return sorted(fitting, key=key)
 
 
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
@@ -136,12 +169,15 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
             continue
         candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len,
                                                                  options.mean_seq_fraction)))
+    if not candidates:
+        pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
+        raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})")
     fitting = [c for c in candidates if c.fits]
     if hardware.world_size == 1 and any(c.plan.deepspeed is None for c in fitting):
         # one GPU: DeepSpeed (offload) only when the model states need it; its CPU Adam and PCIe copies are
         # hard to predict and it is one more package and launcher that can fail
         fitting = [c for c in fitting if c.plan.deepspeed is None]
-    fitting.sort(key=_rank_key)
+    fitting = rank(fitting)
     rejected = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.reserved_gib)
     if not fitting:
         smallest = rejected[0]
@@ -181,6 +217,17 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
         "packing": ("on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
                     "padding (changes what a batch is: rows per step grow)" if p.packing else
                     "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"),
+        "sorted_steps": ("on: each optimizer step trains on the same random rows, but its micro-batches are cut from "
+                         "those rows sorted by length, so less compute goes to padding (lfa plugin, "
+                         "LFA_SORTED_STEPS=1; the loss is normalized by the step's token count, so the gradient is "
+                         "the same sum)" if p.sorted_steps else
+                         "off: " + ("packed rows have no padding" if p.packing else
+                                    "one row per micro-batch has no padding" if p.micro_batch_size == 1 else
+                                    "disabled with --no-sorted-steps")),
+        "allocator": (f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "
+                      "expandable segments let the caching allocator reuse memory instead of fragmenting it and "
+                      "retrying (synchronizing cudaFree/cudaMalloc) near the limit" if p.alloc_conf else
+                      "default caching allocator"),
         "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s; {len(fitting)} plans fit",
     }
     return p.replace(reasons=reasons)

@@ -1,6 +1,7 @@
 """`lfa generate`: task + model + hardware -> plan -> rendered recipe folder (the glue between the stages)."""
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from .data import profile_dataset
 from .hardware import HardwareProfile, installed_versions, load_profile
 from .model_spec import ModelSpec, load_model_spec
 from .planner import PlanOptions, PlanResult, plan
-from .recipe_file import load_recipe
+from .recipe_file import load_recipe, parse_value
 from .render import RecipeInputs, relative_to_dir, render_recipe
 from .tasks import TaskSpec, load_task
 
@@ -31,6 +32,8 @@ class GenerateRequest:
     hardware: str = "detect"
     gpus: int | None = None
     allow_packing: bool = False
+    sort_steps: bool = True
+    pins: tuple[str, ...] = ()  # FIELD=VALUE plan fields fixed by the user
     precision: str | None = None
     sets: tuple[str, ...] = ()
     save_steps: int = 500
@@ -54,8 +57,32 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
         if "=" not in item:
             raise UserError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        values[key.strip()] = parse_value(raw)
     return values
+
+
+PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bool, "attention": str,
+            "deepspeed": str, "offload": str, "alloc_conf": str}
+
+
+def parse_pins(pins: tuple[str, ...]) -> dict:
+    fixed = {}
+    for item in pins:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in PINNABLE:
+            raise UserError(f"--pin {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(PINNABLE)}")
+        value = yaml.safe_load(raw)
+        if key in ("deepspeed", "alloc_conf") and value in ("none", None, False):
+            value = None
+        elif not isinstance(value, PINNABLE[key]):
+            raise UserError(f"--pin {item!r}: {key} takes a {PINNABLE[key].__name__}")
+        fixed[key] = value
+    if fixed.get("deepspeed") not in (None, "zero2", "zero3"):
+        raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
+    if fixed.get("offload", "none") not in ("none", "optimizer", "all"):
+        raise UserError(f"--pin offload={fixed['offload']}: use none, optimizer or all")
+    return fixed
 
 
 def _stage1_model(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
@@ -77,7 +104,6 @@ def generate(request: GenerateRequest) -> Generated:
     if request.gpus is not None:
         if request.gpus < 1 or (hardware.has_gpu and request.gpus > hardware.gpus_per_node * hardware.nodes):
             raise UserError(f"--gpus {request.gpus}: the profile has {hardware.world_size} GPU(s)")
-        import dataclasses
         hardware = dataclasses.replace(hardware, nodes=1, gpus_per_node=request.gpus)
     if request.model:
         recipe_model, shape_model = request.model, request.model
@@ -110,7 +136,8 @@ def generate(request: GenerateRequest) -> Generated:
     versions = installed_versions()
     liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
     fixed = {"precision": request.precision} if request.precision else {}
-    options = PlanOptions(allow_packing=request.allow_packing, liger_available=liger_ok,
+    fixed.update(parse_pins(request.pins))
+    options = PlanOptions(allow_packing=request.allow_packing, sort_steps=request.sort_steps, liger_available=liger_ok,
                           flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
                           mean_seq_fraction=mean_fraction, fixed=fixed)
     if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:

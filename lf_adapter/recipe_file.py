@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +25,34 @@ class Recipe:
         return self.path.parent
 
 
+class LlamaFactoryLoader(yaml.SafeLoader):
+    """PyYAML as LLaMA-Factory 0.9.5 reads recipes through OmegaConf: exponent floats without a dot (3e-6) are
+    floats (plain PyYAML keeps them strings); yes/no/on/off are still booleans."""
+
+
+LlamaFactoryLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+YAML_11_BOOL_WORDS = {"y", "n", "yes", "no", "on", "off"}
+
+
+def parse_value(raw: str):
+    """A --set value: YAML, except that yes/no/on/off stay strings (save_strategy=no means the string)."""
+    if not raw.strip():
+        return ""
+    if raw.strip().lower() in YAML_11_BOOL_WORDS:
+        return raw.strip()
+    return yaml.load(raw, Loader=LlamaFactoryLoader)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist")
     try:
         text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=LlamaFactoryLoader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"cannot read recipe {path}: {exc}") from None
     if not isinstance(data, dict):
@@ -84,4 +106,6 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
         attention=str(d.get("flash_attn", "auto")),
         deepspeed=deepspeed, offload=offload,
         packing=_truthy(d.get("packing", False)) or _truthy(d.get("neat_packing", False)),
+        sorted_steps=bool(recipe.meta.get("sorted_steps", False)),
+        alloc_conf=recipe.meta.get("alloc_conf"),
     )

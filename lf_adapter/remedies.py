@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from .hardware import HardwareProfile
 from .monitor import Failure, failure_class
 from .plan import Plan
+from .planner import EXPANDABLE_SEGMENTS as EXPANDABLE
 
 FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, not real shortage
-EXPANDABLE = "expandable_segments:True"
 
 
 @dataclass(frozen=True)

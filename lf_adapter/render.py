@@ -53,6 +53,9 @@ class RecipeInputs:
     meta: dict = field(default_factory=dict)
 
 
+YAML_11_SPECIAL = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
+
+
 def yaml_scalar(value) -> str:
     """A value as a YAML scalar for LLaMA-Factory: true/false, 3.0e-6, null."""
     if value is None:
@@ -61,7 +64,10 @@ def yaml_scalar(value) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return yaml_float(value)
-    return str(value)
+    text = str(value)
+    if isinstance(value, str) and (text.lower() in YAML_11_SPECIAL or text != text.strip() or text == ""):
+        return json.dumps(text)  # "no" would be read back as false by PyYAML
+    return text
 
 
 def deepspeed_file_name(plan: Plan) -> str | None:
@@ -88,7 +94,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         files[deepspeed_file] = render_deepspeed(plan)[1]
     recipe_file = f"{inputs.recipe_name}.yaml"
     meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
-            "plan": plan.label(), **inputs.meta}
+            "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf, **inputs.meta}
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,

@@ -13,23 +13,26 @@ from .recipe import GenerateRequest, generate
 
 
 def _request_from_args(args: list[str], out_dir: Path) -> GenerateRequest:
-    values, flags, sets = {}, set(), []
+    values, flags, sets, pins = {}, set(), [], []
     i = 0
     while i < len(args):
         key = args[i].lstrip("-").replace("-", "_")
-        if key in ("allow_packing",):
+        if key in ("allow_packing", "no_sorted_steps"):
             flags.add(key)
             i += 1
             continue
         if key == "set":
             sets.append(args[i + 1])
+        elif key == "pin":
+            pins.append(args[i + 1])
         else:
             values[key] = args[i + 1]
         i += 2
     return GenerateRequest(task=values["task"], out_dir=out_dir, model=values.get("model"),
                            dataset=values.get("dataset"), template=values.get("template"),
                            hardware=values.get("hardware", "detect"), gpus=int(values["gpus"]) if "gpus" in values else None,
-                           allow_packing="allow_packing" in flags, precision=values.get("precision"), sets=tuple(sets),
+                           allow_packing="allow_packing" in flags, sort_steps="no_sorted_steps" not in flags,
+                           precision=values.get("precision"), sets=tuple(sets), pins=tuple(pins),
                            command="lfa generate " + shlex.join(args))
 
 
@@ -45,12 +48,15 @@ def check_goldens(root: Path) -> list[str]:
     drift = []
     for entry in yaml.safe_load(manifest.read_text()):
         folder = root / entry["dir"]
-        for name, text in golden_files(root, entry).items():
+        files = golden_files(root, entry)
+        for name, text in files.items():
             path = folder / name
             old = path.read_text() if path.is_file() else ""
             if old != text:
                 diff = difflib.unified_diff(old.splitlines(), text.splitlines(), str(path), "regenerated", lineterm="", n=0)
                 drift += list(diff)[:40] or [f"{path}: missing"]
+        drift += [f"{path}: no longer generated" for path in sorted(folder.glob("*"))
+                  if path.is_file() and path.name not in files]
     return drift
 
 
@@ -58,7 +64,11 @@ def write_goldens(root: Path) -> None:
     from .render import write_recipe_dir
 
     for entry in yaml.safe_load((root / "manifest.yaml").read_text()):
-        write_recipe_dir(golden_files(root, entry), root / entry["dir"], force=True)
+        files = golden_files(root, entry)
+        folder = root / entry["dir"]
+        for stale in [p for p in folder.glob("*") if p.is_file() and p.name not in files]:
+            stale.unlink()
+        write_recipe_dir(files, folder, force=True)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import yaml
 
 from . import UserError
 from .launch import launch_env, llamafactory_command, resolve_env, start, stop_group
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify
 from .plan import Plan
-from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
+from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
 from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
 
@@ -146,10 +145,10 @@ def _events_rate(events_follower: FileFollower, reader: LineReader, state: dict)
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if event.get("event") == "step":
-            if state.get("tokens") is not None and event.get("num_input_tokens_seen") and event.get("step_time_s"):
-                state["tokens_per_s"] = (event["num_input_tokens_seen"] - state["tokens"]) / event["step_time_s"]
-            state["tokens"] = event.get("num_input_tokens_seen")
+        if event.get("event") == "step" and event.get("step_tokens") and event.get("step_time_s"):
+            rate = event["step_tokens"] / event["step_time_s"]
+            previous = state.get("tokens_per_s")
+            state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate  # smoothed
         if "gpu_reserved_gib" in event:
             state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
     return state
@@ -191,7 +190,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                     result["last_step"] = step
                 _events_rate(events, events_reader, state)
                 reporter.event("progress", _progress_text(n, record, state), attempt=n, **record,
-                               **{k: v for k, v in state.items() if k != "tokens"})
+                               **state)
             if watcher.diverged and detected_at is None:
                 detected_at = time.time()
                 log_file.write(b"lfa: non-finite loss or grad_norm in 3 consecutive logs; stopping the attempt\n")
@@ -245,7 +244,7 @@ def supervise(request: TrainRequest) -> int:
         if "=" not in item:
             raise UserError(f"--set {item!r}: expected key=value")
         key, value = item.split("=", 1)
-        user_keys[key] = yaml.safe_load(value)
+        user_keys[key] = parse_value(value)
     lr = recipe.data.get("learning_rate")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
     context = Context(hardware=hardware, allow_hparam_change=request.allow_hparam_change,

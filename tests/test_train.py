@@ -33,9 +33,15 @@ def test_sk2decompile_template_is_registered_and_ends_with_one_eos(demo_assets):
 
 
 def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
-    recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "2"))
+    recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "2", "--pin", "micro_batch_size=4"))
     result = run_lfa("train", recipe, "--run-dir", tmp_path / "run")
     assert result.returncode == 0, result.stdout + result.stderr
+    events = _events(tmp_path / "run")
+    begin = next(e for e in events if e["event"] == "train_begin")
+    assert begin["sampler"] == "sorted_steps(block=8)" and begin["micro_batch_size"] == 4
+    steps = [e for e in events if e["event"] == "step"]
+    # non-pad tokens per step, counted inside the trainer with the padding mask dropped: 8 rows of at most 512
+    assert len(steps) == 30 and all(8 <= e["step_tokens"] <= 8 * 512 for e in steps)
     output = recipe.parent / "saves" / "pseudo2norm"
     logs = [r for r in _losses(output) if "loss" in r]
     assert logs[-1]["current_steps"] == 30 and logs[-1]["loss"] < logs[0]["loss"] * 0.8

@@ -6,6 +6,9 @@ Environment (set by `lfa train`, or by tests and benchmarks):
   LFA_INJECT_OOM_ABOVE_MBS  raise torch's real OutOfMemoryError when the micro-batch is larger (CPU tests)
   LFA_INJECT_NAN_AT_STEP    poison the weights with NaN at this optimizer step (real NaN loss follows)
   LFA_STEP_DELAY_S          sleep this long after each step (gives kill/resume tests a window)
+  LFA_SORTED_STEPS          length-sorted micro-batches inside each optimizer step (hooks.py, sampler.py)
+  LFA_DROP_PADDING_MASK     no padding mask for right-padded text batches (hooks.drop_right_padding_mask)
+  LFA_BENCH_SKIP_FINAL_SAVE skip the final save_model after training (benchmarks on a small disk only)
 """
 from __future__ import annotations
 
@@ -13,8 +16,27 @@ import atexit
 import json
 import os
 import time
+from collections.abc import Mapping
 
 from transformers import TrainerCallback
+
+SAMPLER = {"name": None}  # which train sampler the patched trainer built (reported in train_begin)
+_STEP_TOKENS = {"value": None}  # non-pad tokens of the current optimizer step, a device tensor until read
+
+
+def record_step_batches(batch_samples) -> None:
+    """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
+    (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
+    collator left where it dropped the padding mask, before the model sees the batch."""
+    counts = []
+    for batch in batch_samples:
+        if not isinstance(batch, Mapping):
+            continue
+        if "lfa_nonpad_tokens" in batch:
+            counts.append(batch.pop("lfa_nonpad_tokens"))
+        elif batch.get("attention_mask") is not None and batch["attention_mask"].dim() == 2:
+            counts.append((batch["attention_mask"] > 0).sum())
+    _STEP_TOKENS["value"] = sum(counts) if counts else None
 
 
 def _cuda():
@@ -54,6 +76,8 @@ class EventsCallback(TrainerCallback):
         if cuda is not None:
             event["gpu_reserved_gib"] = round(cuda.max_memory_reserved() / 2**30, 3)
             event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
+            # cudaFree + cudaMalloc retries: the allocator ran out of cached blocks (each one synchronizes)
+            event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
         event["time"] = time.time()
         with open(self.path, "a") as fh:
             fh.write(json.dumps(event) + "\n")
@@ -62,12 +86,15 @@ class EventsCallback(TrainerCallback):
         self.start = self.last = time.time()
         self._emit(state, event="train_begin", global_step=state.global_step, max_steps=state.max_steps,
                    micro_batch_size=args.per_device_train_batch_size,
-                   grad_accum=args.gradient_accumulation_steps, world_size=args.world_size)
+                   grad_accum=args.gradient_accumulation_steps, world_size=args.world_size, sampler=SAMPLER["name"])
 
     def on_step_end(self, args, state, control, **kwargs):
+        tokens = _STEP_TOKENS["value"]
+        # local count x world size: every rank's micro-batches come from the same sorted step (an estimate for N>1)
+        tokens = None if tokens is None else int(tokens) * max(1, args.world_size)
         now = time.time()
         self._emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
-                   step_time_s=round(now - self.last, 4), num_input_tokens_seen=state.num_input_tokens_seen)
+                   step_time_s=round(now - self.last, 4), step_tokens=tokens)
         self.last = now
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -81,9 +81,82 @@ def _wrap_run_exp(tuner_module) -> None:
     tuner_module.run_exp = run_exp
 
 
+def _patch_sft_trainer(trainer_module) -> None:
+    """Length-sorted steps (LFA_SORTED_STEPS=1) and per-step token counts for lfa's events."""
+    from lf_adapter.plugin import callbacks as lfa_callbacks
+    from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
+
+    trainer_class = trainer_module.CustomSeq2SeqTrainer
+    original_sampler = trainer_class._get_train_sampler
+    original_batches = trainer_class.get_batch_samples
+
+    def _get_train_sampler(self, *args, **kwargs):
+        if os.environ.get("LFA_SORTED_STEPS") == "1" and not self.finetuning_args.disable_shuffling:
+            dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
+            lengths = row_lengths(dataset)
+            if lengths is not None:
+                a = self.args
+                block = a.per_device_train_batch_size * a.gradient_accumulation_steps * max(1, a.world_size)
+                lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})"
+                return SortedStepSampler(lengths, block, seed=a.data_seed if a.data_seed is not None else a.seed)
+        lfa_callbacks.SAMPLER["name"] = "default"
+        return original_sampler(self, *args, **kwargs)
+
+    def get_batch_samples(self, *args, **kwargs):
+        batch_samples, num_items = original_batches(self, *args, **kwargs)
+        lfa_callbacks.record_step_batches(batch_samples)
+        return batch_samples, num_items
+
+    trainer_class._get_train_sampler = _get_train_sampler
+    trainer_class.get_batch_samples = get_batch_samples
+    if os.environ.get("LFA_BENCH_SKIP_FINAL_SAVE") == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
+        original_save = trainer_class.save_model
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            if _internal_call:  # a checkpoint: keep
+                return original_save(self, output_dir, _internal_call)
+            print("lfa bench: final save skipped", flush=True)
+
+        trainer_class.save_model = save_model
+
+
+TEXT_BATCH_KEYS = {"input_ids", "attention_mask", "labels"}
+
+
+def drop_right_padding_mask(batch) -> bool:
+    """A right-padded text batch needs no padding mask under causal attention: a real token only attends to
+    earlier positions, which are all real, and padded positions carry label -100. Without the mask, SDPA takes
+    its causal flash kernel instead of the masked path. The non-pad count is kept for lfa's events."""
+    import torch
+
+    mask = batch.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or not set(batch.keys()) <= TEXT_BATCH_KEYS:
+        return False
+    if mask.size(1) > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # not ones-then-zeros in every row
+        return False
+    batch["lfa_nonpad_tokens"] = mask.sum()
+    batch["attention_mask"] = None
+    return True
+
+
+def _patch_collator(collator_module) -> None:
+    collator_class = collator_module.SFTDataCollatorWith4DAttentionMask
+    original_call = collator_class.__call__
+
+    def __call__(self, features):
+        batch = original_call(self, features)
+        if os.environ.get("LFA_DROP_PADDING_MASK") == "1" and not self.block_diag_attn:
+            drop_right_padding_mask(batch)  # runs in the data workers, on the CPU: no GPU sync
+        return batch
+
+    collator_class.__call__ = __call__
+
+
 def install() -> None:
     if any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
         return
     _AFTER_IMPORT["llamafactory.data.template"] = register_chat_templates
     _AFTER_IMPORT["llamafactory.train.tuner"] = _wrap_run_exp
+    _AFTER_IMPORT["llamafactory.train.sft.trainer"] = _patch_sft_trainer
+    _AFTER_IMPORT["llamafactory.data.collator"] = _patch_collator
     sys.meta_path.insert(0, _AfterImportFinder())

@@ -25,4 +25,12 @@ export NCCL_NVLS_ENABLE="0"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
 # NVLink multicast off
 export NVSHMEM_DISABLE_NVLS="1"
+# lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
+export LFA_DROP_PADDING_MASK="1"
+# lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
+export LFA_SORTED_STEPS="1"
+# otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children
+export OPTIM_TORCH="0"
+# allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
+export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
 exec llamafactory-cli train train.yaml "$@"

@@ -7,4 +7,10 @@ cd "$(dirname "$0")"
 export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir())')${PYTHONPATH:+:$PYTHONPATH}"
 # lfa pins and tests the stack; LF's check rejects newer torch/transformers
 export DISABLE_VERSION_CHECK="1"
+# lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
+export LFA_DROP_PADDING_MASK="1"
+# lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
+export LFA_SORTED_STEPS="1"
+# allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
+export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
 exec llamafactory-cli train train.yaml "$@"

@@ -1,0 +1,59 @@
+"""Predicted (lf_adapter.planner.predict_tokens_per_s) vs measured steady-state tokens/s for the H200 bench runs.
+
+usage: python bench/model_check.py [bench/results/h200_session9/runD.json ...]
+The measured mean row length (1,475 tokens of 2,048 after truncation, bench/README.md) is given to the model, so
+this checks the throughput model alone, not lfa's length estimate from characters.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lf_adapter.hardware import load_profile  # noqa: E402
+from lf_adapter.model_spec import load_model_spec  # noqa: E402
+from lf_adapter.plan import Plan  # noqa: E402
+from lf_adapter.planner import predict_tokens_per_s  # noqa: E402
+
+MEAN_FRACTION = 1475 / 2048
+PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200"}
+
+
+def plan_of(label: str, row: dict) -> Plan | None:
+    if label == "seed_fix":  # the seed author's recipe: fp16, bs1 ga16, checkpointing on, no liger, auto -> sdpa
+        return Plan("fp16", 1, 16, gradient_checkpointing=True, liger=False, attention="sdpa")
+    text = row.get("plan")
+    if not text or not row.get("steady_tokens_per_s"):
+        return None
+    parts = text.split("/")
+    mbs, rest = parts[1][3:].split("xga")
+    ga, world = rest.split("x")
+    ds = next((p for p in parts if p.startswith("zero")), None)
+    return Plan(parts[0], int(mbs), int(ga), int(world), gradient_checkpointing="gc" in parts, liger="liger" in parts,
+                attention="sdpa", deepspeed=ds.split("-")[0] if ds else None,
+                offload="optimizer" if ds and "offload-optimizer" in ds else "none",
+                packing="packing" in parts, sorted_steps="sorted" in parts)
+
+
+def main() -> None:
+    runs = sys.argv[1:] or sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json"))
+    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    worst = 0.0
+    print(f"{'run':28s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    for run in runs:
+        for label, row in json.loads(Path(run).read_text()).items():
+            plan = plan_of(label, row)
+            if plan is None:
+                continue
+            hardware = load_profile(PROFILE.get(label, "h200-capped-32g"))
+            predicted = predict_tokens_per_s(spec, plan, hardware, 2048, MEAN_FRACTION)
+            measured = row["steady_tokens_per_s"]
+            error = predicted / measured - 1
+            worst = max(worst, abs(error))
+            print(f"{Path(run).stem + ':' + label:28s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
+    print(f"worst |error|: {worst:.1%}")
+
+
+if __name__ == "__main__":
+    main()

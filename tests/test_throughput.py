@@ -1,0 +1,110 @@
+"""The throughput features lfa's plugin adds inside LLaMA-Factory: sorted steps and training without a padding mask."""
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_lfa
+from lf_adapter.hardware import load_profile
+from lf_adapter.model_spec import load_model_spec
+from lf_adapter.plan import Plan
+from lf_adapter.planner import PlanOptions, plan
+from lf_adapter.plugin.hooks import drop_right_padding_mask
+from lf_adapter.plugin.sampler import sorted_step_order
+from lf_adapter.recipe_file import parse_value
+from lf_adapter.render import render_deepspeed, yaml_scalar
+
+
+def test_sorted_steps_keep_each_steps_rows_and_sort_inside_the_step():
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 2048) for _ in range(203)]
+    order = sorted_step_order(lengths, block=16, seed=42, epoch=3)
+    assert sorted(order) == list(range(203))
+    plain = list(range(203))
+    random.Random(42 * 1_000_003 + 3).shuffle(plain)
+    for start in range(0, 203, 16):
+        step = order[start:start + 16]
+        assert set(step) == set(plain[start:start + 16])  # the rows a random sampler gives this step
+        assert [lengths[i] for i in step] == sorted((lengths[i] for i in step), reverse=True)
+    assert order == sorted_step_order(lengths, 16, 42, 3)  # resume skips the same rows
+    assert order != sorted_step_order(lengths, 16, 42, 4)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_dropping_the_padding_mask_of_a_right_padded_batch_changes_nothing(attention):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, attn_implementation=attention))
+    ids = torch.randint(3, 50, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    mask[2, 10:] = 0
+    batch = {"input_ids": ids.masked_fill(mask == 0, 2), "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    reference = model(**batch).loss
+    reference.backward()
+    reference_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    assert drop_right_padding_mask(batch) and batch["attention_mask"] is None
+    assert int(batch.pop("lfa_nonpad_tokens")) == int(mask.sum())
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.equal(loss, reference)
+    assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(), reference_grads))
+
+
+def test_left_padded_or_multimodal_batches_keep_their_mask():
+    left = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
+    assert not drop_right_padding_mask(left) and left["attention_mask"] is not None
+    vision = {"input_ids": torch.ones(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long),
+              "pixel_values": torch.zeros(1, 3)}
+    assert not drop_right_padding_mask(vision)
+
+
+def test_capped_h200_plan_is_the_one_the_seed_benchmark_measured():
+    # bench/results/h200_session9 runs C and D measured this plan (29,559-30,061 tok/s, 26.71 GiB at a 31.73 cap)
+    result = plan(load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200-capped-32g"), 64, 2048,
+                  PlanOptions(fixed={"precision": "fp16"}, mean_seq_fraction=1475 / 2048))
+    chosen = result.chosen.plan
+    assert chosen.label() == "fp16/mbs8xga8x1/gc/liger/sdpa/sorted"
+    assert chosen.alloc_conf == "expandable_segments:True"
+    assert 26.0 < result.chosen.memory.reserved_gib < 27.9
+
+
+def test_compute_bound_card_skips_recompute_and_fast_card_batches_up():
+    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    v100 = plan(spec, load_profile("v100-32g"), 64, 2048).chosen.plan
+    capped = plan(spec, load_profile("h200-capped-32g"), 64, 2048, PlanOptions(fixed={"precision": "fp16"})).chosen.plan
+    # same memory, different compute: on a V100 the GPU is the bottleneck even for one row, so no recompute wins;
+    # on an H200 one row leaves the GPU waiting for Python, so bigger micro-batches win despite the recompute
+    assert (v100.micro_batch_size, v100.gradient_checkpointing) == (1, False)
+    assert (capped.micro_batch_size, capped.gradient_checkpointing) == (8, True)
+
+
+def test_offload_deepspeed_config_names_an_optimizer():
+    offload = json.loads(render_deepspeed(Plan("bf16", 4, 16, deepspeed="zero2", offload="optimizer"))[1])
+    assert offload["optimizer"]["type"] == "AdamW" and offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "optimizer" not in json.loads(render_deepspeed(Plan("bf16", 4, 16, deepspeed="zero3"))[1])
+
+
+def test_yaml_values_survive_the_round_trip_through_llamafactory_yaml():
+    assert yaml_scalar("no") == '"no"' and yaml.safe_load(f"k: {yaml_scalar('no')}")["k"] == "no"
+    assert parse_value("no") == "no" and parse_value("3e-6") == 3e-6 and parse_value("true") is True
+    assert yaml_scalar(3e-6) == "3.0e-6" and yaml_scalar(None) == "null"
+
+
+def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware",
+                     "h200", "--pin", "deepspeed=zero3", "--pin", "offload=none", "-o", tmp_path / "z3", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "/zero3/" in json.loads(result.stdout)["plan"] and (tmp_path / "z3" / "ds_zero3.json").is_file()
+    assert 'FORCE_TORCHRUN="1"' in (tmp_path / "z3" / "launch.sh").read_text()
+    bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "deepspeed=zero9",
+                  "-o", tmp_path / "bad")
+    assert bad.returncode == 2 and "zero2, zero3 or none" in bad.stderr and "Traceback" not in bad.stderr
+    none = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--model", "Qwen/Qwen2.5-Coder-0.5B",
+                   "--pin", "deepspeed=zero2", "-o", tmp_path / "none")
+    assert none.returncode == 2 and "matches the pinned fields" in none.stderr
