@@ -158,7 +158,7 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
     from .render import write_recipe_dir
 
     if check:
-        from .review import check_goldens
+        from .goldens import check_goldens
         drift = check_goldens(Path(out_dir or "recipes"))
         for line in drift:
             click.echo(line)
@@ -239,6 +239,45 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
                                                "tokens_per_s": c.tokens_per_s} for c in result.runners_up]}, indent=2))
         return
     _print_plan(result, spec, hw)
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True, type=click.Path())
+@click.option("--hardware", help="Review against this profile (name, file or detect); default: each recipe's own.")
+@click.option("--model", help="Model whose shape to use for memory and speed (default: the recipe's).")
+@click.option("--base", "base_ref", metavar="GIT_REF", help="Also show what changed against this git ref (e.g. origin/main).")
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "github", "json"]), default="text",
+              show_default=True, help="markdown for a PR comment, github for workflow annotations.")
+@user_errors
+def review(recipes, hardware, model, base_ref, fmt):
+    """Validate recipes with LLaMA-Factory's own argument parsing plus lfa's rules; summarize them for a PR.
+
+    Exit 1 when any recipe has an error finding (file:line in the output).
+
+    Example: lfa review recipes/pseudo2norm/*/train.yaml --base origin/main --format markdown > review.md
+    """
+    from .review import format_reviews, review_recipe
+
+    reviews = [review_recipe(path, hardware=hardware, model=model, base_ref=base_ref) for path in recipes]
+    click.echo(format_reviews(reviews, fmt), nl=False)
+    sys.exit(1 if any(r.errors for r in reviews) else 0)
+
+
+@main.command("diff")
+@click.argument("old", type=click.Path())
+@click.argument("new", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text", show_default=True)
+@user_errors
+def diff_cmd(old, new, fmt):
+    """Semantic diff of two recipes: changes to training results first, then speed/memory, then bookkeeping.
+
+    Example: lfa diff recipes/pseudo2norm/v100-32g/train.yaml recipes/pseudo2norm/v100-32g/train.resolved.yaml
+    """
+    from .recipe_diff import format_diff, semantic_diff, semantic_view
+    from .recipe_file import load_recipe
+
+    entries = semantic_diff(semantic_view(load_recipe(old)), semantic_view(load_recipe(new)))
+    click.echo(format_diff(entries, old, new, fmt), nl=fmt == "json" or fmt == "markdown")
 
 
 @main.command()

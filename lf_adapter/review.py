@@ -1,76 +1,513 @@
-"""Recipe review: golden recipes kept in step with the generator (`lfa generate --check`)."""
+"""`lfa review`: validate recipes with LLaMA-Factory's own argument parsing plus lfa's rules, and summarize them
+for a pull request (plan, memory against the budget, tokens per step, predicted speed and wall time, and what
+changed against the base branch)."""
 from __future__ import annotations
 
+import contextlib
 import difflib
-import shlex
+import importlib.metadata
+import io
+import json
+import os
+import re
+import subprocess
 import tempfile
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
 
-from . import UserError
-from .recipe import GenerateRequest, generate
+from . import UserError, templates_dir
+from .hardware import HardwareProfile
+from .memory import estimate
+from .model_spec import ModelSpec, load_model_spec
+from .plan import Plan
+from .planner import predict_tokens_per_s
+from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
+from .recipe_file import LlamaFactoryLoader, Recipe, load_recipe, plan_from_recipe, recipe_hardware
+from .tasks import chat_template_files, task_files, load_task
+
+SEVERITIES = ("error", "warning", "info")
+PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
+# keys checked by lfa's own rules, with the card the recipe is meant for: the machine running the review (a CI
+# runner) is not the one that trains, so LLaMA-Factory's device checks would judge the wrong machine
+DEVICE_KEYS = ("bf16", "fp16", "deepspeed", "enable_liger_kernel", "flash_attn", "use_unsloth")
+EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _request_from_args(args: list[str], out_dir: Path) -> GenerateRequest:
-    values, flags, sets, pins = {}, set(), [], []
-    i = 0
-    while i < len(args):
-        key = args[i].lstrip("-").replace("-", "_")
-        if key in ("allow_packing", "no_sorted_steps"):
-            flags.add(key)
-            i += 1
-            continue
-        if key == "set":
-            sets.append(args[i + 1])
-        elif key == "pin":
-            pins.append(args[i + 1])
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # error | warning | info
+    rule: str
+    message: str
+    file: str
+    line: int = 1
+
+    def to_dict(self) -> dict:
+        return {"severity": self.severity, "rule": self.rule, "message": self.message, "file": self.file,
+                "line": self.line}
+
+
+@dataclass
+class RecipeReview:
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    diff: list[DiffEntry] | None = None
+    base: str | None = None  # "new recipe" or the base ref
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "findings": [f.to_dict() for f in self.findings], "summary": self.summary,
+                "base": self.base, "diff": None if self.diff is None else [e.to_dict() for e in self.diff]}
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """1-based line of every top-level key."""
+    try:
+        node = yaml.compose(text, Loader=LlamaFactoryLoader)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def raw_scalars(text: str) -> dict[str, str]:
+    """Top-level keys whose value is a plain (unquoted) scalar, as written."""
+    try:
+        node = yaml.compose(text, Loader=LlamaFactoryLoader)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: v.value for k, v in node.value
+            if isinstance(v, yaml.ScalarNode) and v.style is None and isinstance(k, yaml.ScalarNode)}
+
+
+def _version_matches(installed: str, spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(installed) in SpecifierSet(spec)
+
+
+def _installed(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def version_keys() -> list[dict]:
+    return yaml.safe_load((templates_dir() / "review" / "version_keys.yaml").read_text())
+
+
+@lru_cache(maxsize=1)
+def llamafactory_fields() -> dict[str, object] | None:
+    """Every key LLaMA-Factory's train parser accepts -> its type annotation (None without LLaMA-Factory)."""
+    try:
+        with _quiet():
+            from llamafactory.hparams.parser import _TRAIN_ARGS
+    except Exception:  # not installed, or broken: review falls back to lfa's rules
+        return None
+    import dataclasses
+    import typing
+
+    fields = {}
+    for cls in _TRAIN_ARGS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            fields[f.name] = hints.get(f.name, f.type)
+    return fields
+
+
+@lru_cache(maxsize=1)
+def llamafactory_templates() -> frozenset[str] | None:
+    """LLaMA-Factory's chat templates with lfa's registered (None without LLaMA-Factory)."""
+    from .plugin import hooks
+
+    try:
+        with _quiet():
+            from llamafactory.data import template
+    except Exception:
+        return None
+    hooks.register_chat_templates(template)  # skips the ones already registered
+    return frozenset(template.TEMPLATES)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """LLaMA-Factory and transformers log at import and parse time; review prints findings only."""
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
+    os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _accepts(annotation, value) -> bool:
+    """Does a YAML value fit a dataclass field annotation (loosely: the scalar kinds that matter)?"""
+    import enum
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if value is None:
+        return annotation is type(None)
+    if annotation is typing.Any or origin in (list, dict, tuple) or annotation in (list, dict):
+        return True
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return isinstance(value, str)
+    return True
+
+
+def _llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Finding]:
+    """Keys, types and the checks LLaMA-Factory's get_train_args applies, without loading a model."""
+    fields = llamafactory_fields()
+    path = str(recipe.path)
+    if fields is None:
+        return [Finding("info", "llamafactory_missing", "LLaMA-Factory is not importable here: only lfa's rules ran "
+                        "(pip install 'lf-adapter[train]')", path)]
+    findings = []
+    for key, value in recipe.data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.75)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            findings.append(Finding("error", "unknown_key", f"`{key}` is not a LLaMA-Factory argument{hint}",
+                                    path, lines.get(key, 1)))
+        elif isinstance(value, bool) and not _accepts(fields[key], value):
+            findings.append(Finding("error", "yaml_boolean", f"`{key}: {raw_scalars(recipe.text).get(key, value)}` "
+                                    f"is read as the boolean {str(value).lower()} (YAML 1.1), but {key} takes a "
+                                    f"string: quote it, e.g. {key}: \"no\"", path, lines.get(key, 1)))
+        elif not _accepts(fields[key], value):
+            findings.append(Finding("error", "wrong_type", f"`{key}: {value!r}` does not fit {key}'s type "
+                                    f"({getattr(fields[key], '__name__', fields[key])})", path, lines.get(key, 1)))
+    if any(f.severity == "error" for f in findings):
+        return findings  # the parser would stop at the first of these
+    from llamafactory.hparams.parser import get_train_args
+
+    args = {k: v for k, v in recipe.data.items() if k not in DEVICE_KEYS}
+    with tempfile.TemporaryDirectory() as scratch, _quiet():
+        args["output_dir"] = os.path.join(scratch, "output")  # the output folder's state is not the recipe's
+        try:
+            get_train_args(args)
+        except (ValueError, TypeError, ImportError, RuntimeError) as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+            key = next((k for k in recipe.data if re.search(rf"\b{re.escape(k)}\b", message)), None)
+            findings.append(Finding("error", "llamafactory_check", f"LLaMA-Factory rejects it: {message}", path,
+                                    lines.get(key, 1) if key else 1))
+    return findings
+
+
+def _launch_script(recipe: Recipe) -> str | None:
+    launch = recipe.folder / "launch.sh"
+    return launch.read_text() if launch.is_file() else None
+
+
+def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
+                  spec: ModelSpec | None) -> list[Finding]:
+    d, path = recipe.data, str(recipe.path)
+    out: list[Finding] = []
+
+    def add(severity, rule, message, key=None):
+        out.append(Finding(severity, rule, message, path, lines.get(key, 1) if key else 1))
+
+    gpu = hardware.gpu if hardware.has_gpu else None
+    if plan.precision == "bf16" and gpu is not None and not gpu.bf16:
+        add("error", "bf16_unsupported", f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
+            "transformers' check passes through emulation, so this runs slowly or fails mid-run. Use fp16", "bf16")
+    if plan.precision == "fp16" and gpu is not None and gpu.bf16:
+        add("info", "fp16_on_bf16_card", f"fp16 on {gpu.name}, which has bf16 (no loss scaling, no overflow)", "fp16")
+    launch = _launch_script(recipe)
+    distributed = bool(d.get("deepspeed")) or hardware.world_size > 1
+    if d.get("deepspeed"):
+        if launch is not None and not re.search(r"^export FORCE_TORCHRUN=\"?1\"?", launch, re.M):
+            add("error", "deepspeed_without_torchrun", "DeepSpeed is set but launch.sh does not export FORCE_TORCHRUN=1: "
+                "LLaMA-Factory stops with \"Please use `FORCE_TORCHRUN=1` to launch DeepSpeed training.\"", "deepspeed")
+        elif launch is None:
+            add("warning", "deepspeed_launch", "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
+                "plain llamafactory-cli export it yourself)", "deepspeed")
+        ds_path = recipe.folder / str(d["deepspeed"])
+        try:
+            ds = json.loads(ds_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}", "deepspeed")
         else:
-            values[key] = args[i + 1]
-        i += 2
-    return GenerateRequest(task=values["task"], out_dir=out_dir, model=values.get("model"),
-                           dataset=values.get("dataset"), template=values.get("template"),
-                           hardware=values.get("hardware", "detect"), gpus=int(values["gpus"]) if "gpus" in values else None,
-                           allow_packing="allow_packing" in flags, sort_steps="no_sorted_steps" not in flags,
-                           precision=values.get("precision"), sets=tuple(sets), pins=tuple(pins),
-                           command="lfa generate " + shlex.join(args))
+            zero = ds.get("zero_optimization", {})
+            offloads = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
+            if offloads and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
+                add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
+                    "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
+                    "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
+                    "section (lfa's templates do)", "deepspeed")
+    task_name = recipe.meta.get("task")
+    if task_name in task_files():
+        task = load_task(task_name)
+        if plan.effective_batch_size != task.effective_batch_size:
+            add("warning", "effective_batch_changed", f"effective batch {plan.effective_batch_size} = "
+                f"{plan.micro_batch_size} x {plan.grad_accum} x {plan.world_size} GPU(s), but task {task_name} trains "
+                f"with {task.effective_batch_size} (the paper's batch); learning rate and schedule assume it",
+                "per_device_train_batch_size")
+    for key, raw in raw_scalars(recipe.text).items():
+        if EXPONENT_WITHOUT_DOT.match(raw):
+            add("warning", "exponent_float", f"`{key}: {raw}` is a float to LLaMA-Factory 0.9.5 (OmegaConf) but a "
+                f"string to plain PyYAML (yaml.safe_load, HfArgumentParser.parse_yaml_file): write it with a dot, "
+                f"e.g. {float(raw):.1e}".replace("e-0", "e-").replace("e+0", "e+"), key)
+    spaced = [k for k in PATH_KEYS if " " in str(d.get(k) or "")] + (["(recipe path)"] if " " in str(recipe.path.resolve()) else [])
+    for key in spaced:
+        add("error" if distributed else "warning", "path_with_spaces",
+            f"{key} contains a space: LLaMA-Factory's torchrun relaunch splits it" +
+            ("" if distributed else " (matters once the recipe runs on several GPUs or DeepSpeed)"),
+            key if key in d else None)
+    for entry in version_keys():
+        if entry["key"] not in d:
+            continue
+        installed = _installed(entry["package"])
+        rejected = installed is not None and not _version_matches(installed, entry["accepted"])
+        add("error" if rejected else "warning", "version_dependent_key",
+            f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
+            + (f" (installed: {installed})" if installed else "") + f"; instead: {entry['instead']}", entry["key"])
+    template = d.get("template")
+    if template in chat_template_files() and (launch is None or "plugin" not in launch):
+        add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with `lfa train` "
+            "or an lfa launch.sh, which register it in every process", "template")
+    dataset_dir = recipe.folder / str(d.get("dataset_dir", "data"))
+    info_file = dataset_dir / "dataset_info.json"
+    for name in [s.strip() for s in str(d.get("dataset") or "").split(",") if s.strip()]:
+        if not info_file.is_file():
+            add("error", "dataset_info_missing", f"{info_file} does not exist (LLaMA-Factory: \"Cannot open "
+                f"{info_file}\")", "dataset_dir")
+            break
+        try:
+            info = json.loads(info_file.read_text())
+        except json.JSONDecodeError as exc:
+            add("error", "dataset_info_invalid", f"{info_file} is not valid JSON: {exc}", "dataset_dir")
+            break
+        if name not in info:
+            close = difflib.get_close_matches(name, list(info), n=1)
+            add("error", "dataset_undefined", f"dataset {name} is not in {info_file.name}"
+                + (f"; did you mean {close[0]}?" if close else ""), "dataset")
+        elif "file_name" in info[name] and not (dataset_dir / info[name]["file_name"]).exists():
+            add("warning", "dataset_file_missing", f"{info[name]['file_name']} (dataset {name}) is not here; it must "
+                "exist on the training machine", "dataset")
+    model = str(d.get("model_name_or_path", ""))
+    local = Path(model) if Path(model).is_absolute() else recipe.folder / model
+    stage_input = task_name in task_files() and load_task(task_name).model_from_task
+    if model and not HUB_ID.match(model) and not local.exists():
+        if stage_input:
+            add("warning", "model_from_stage", f"model {model} is {stage_input}'s output: train that stage first",
+                "model_name_or_path")
+        else:
+            add("error", "model_missing", f"model {model} is neither a local folder (from {recipe.folder}) nor a "
+                "hub id", "model_name_or_path")
+    known = llamafactory_templates()
+    if template and known is not None and template not in known:
+        close = difflib.get_close_matches(str(template), sorted(known), n=1)
+        add("error", "unknown_template", f"template {template} is neither in LLaMA-Factory nor in lfa's templates/chat"
+            + (f"; did you mean {close[0]}?" if close else ""), "template")
+    if spec is not None and gpu is not None:
+        mem = estimate(spec, plan, int(d.get("cutoff_len", 2048)), gpu.vram_gib)
+        if mem.reserved_gib > gpu.vram_gib:
+            add("error", "memory_over_budget", f"predicted peak {mem.reserved_gib:.1f} GiB per GPU does not fit "
+                f"{gpu.vram_gib:.1f} GiB on {hardware.name} ({plan.label()}): CUDA out of memory expected",
+                "per_device_train_batch_size")
+        elif not mem.fits:
+            add("warning", "memory_headroom", f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
+                f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
+                "per_device_train_batch_size")
+    return out
 
 
-def golden_files(root: Path, entry: dict) -> dict[str, str]:
-    return generate(_request_from_args(list(entry["args"]), root / entry["dir"])).files
+def _model_spec(recipe: Recipe, model: str | None) -> ModelSpec | None:
+    name = model or recipe.meta.get("model") or str(recipe.data.get("model_name_or_path", ""))
+    local = recipe.folder / name
+    try:
+        return load_model_spec(str(local) if local.is_dir() else name)
+    except UserError:
+        return None
 
 
-def check_goldens(root: Path) -> list[str]:
-    """Regenerate every recipe in root/manifest.yaml; return drift lines (empty when all match)."""
-    manifest = root / "manifest.yaml"
-    if not manifest.is_file():
-        raise UserError(f"{manifest} does not exist")
-    drift = []
-    for entry in yaml.safe_load(manifest.read_text()):
-        folder = root / entry["dir"]
-        files = golden_files(root, entry)
-        for name, text in files.items():
-            path = folder / name
-            old = path.read_text() if path.is_file() else ""
-            if old != text:
-                diff = difflib.unified_diff(old.splitlines(), text.splitlines(), str(path), "regenerated", lineterm="", n=0)
-                drift += list(diff)[:40] or [f"{path}: missing"]
-        drift += [f"{path}: no longer generated" for path in sorted(folder.glob("*"))
-                  if path.is_file() and path.name not in files]
-    return drift
+def _dataset_rows(recipe: Recipe) -> int | None:
+    if recipe.meta.get("dataset_rows"):
+        return int(recipe.meta["dataset_rows"])
+    try:
+        dataset_dir = recipe.folder / str(recipe.data.get("dataset_dir", "data"))
+        info = json.loads((dataset_dir / "dataset_info.json").read_text())
+        entry = info[str(recipe.data["dataset"]).split(",")[0].strip()]
+        with (dataset_dir / entry["file_name"]).open(encoding="utf-8") as fh:
+            return sum(1 for line in fh if line.strip())
+    except (OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
 
 
-def write_goldens(root: Path) -> None:
-    from .render import write_recipe_dir
+def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None) -> dict:
+    d = recipe.data
+    cutoff = int(d.get("cutoff_len", 2048))
+    fraction = 1.0 if plan.packing else float(recipe.meta.get("mean_seq_fraction", 0.75))
+    summary = {"hardware": hardware.name, "plan": plan.label(), "precision": plan.precision,
+               "micro_batch": plan.micro_batch_size, "grad_accum": plan.grad_accum, "gpus": plan.world_size,
+               "effective_batch": plan.effective_batch_size,
+               "deepspeed": f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
+               if plan.deepspeed else "none",
+               "gradient_checkpointing": plan.gradient_checkpointing,
+               "tokens_per_step": round(plan.effective_batch_size * cutoff * fraction)}
+    if spec is None:
+        summary["note"] = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
+        return summary
+    summary["model"] = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
+    if hardware.has_gpu:
+        mem = estimate(spec, plan, cutoff, hardware.gpu.vram_gib)
+        summary["memory_gib"] = {k: round(v, 2) for k, v in mem.items.items()}
+        summary["reserved_gib"] = round(mem.reserved_gib, 2)
+        summary["budget_gib"] = hardware.gpu.vram_gib
+        summary["fits"] = mem.fits
+    tokens_per_s = predict_tokens_per_s(spec, plan, hardware, cutoff, fraction)
+    summary["predicted_tokens_per_s"] = round(tokens_per_s)
+    rows = _dataset_rows(recipe)
+    if rows:
+        epochs = float(d.get("num_train_epochs", 3.0))
+        total = rows * epochs * cutoff * fraction
+        if d.get("max_steps") and int(d["max_steps"]) > 0:
+            total = min(total, int(d["max_steps"]) * summary["tokens_per_step"])
+        summary["dataset_rows"] = rows
+        summary["predicted_wall_time_s"] = round(total / tokens_per_s)
+    return summary
 
-    for entry in yaml.safe_load((root / "manifest.yaml").read_text()):
-        files = golden_files(root, entry)
-        folder = root / entry["dir"]
-        for stale in [p for p in folder.glob("*") if p.is_file() and p.name not in files]:
-            stale.unlink()
-        write_recipe_dir(files, folder, force=True)
+
+def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
+    """semantic_view of the recipe as it is at a git ref (e.g. origin/main): the 'what changed' of a PR review."""
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        shown = subprocess.run(["git", "show", f"{base_ref}:{rel}"], cwd=top, capture_output=True, text=True)
+    except (subprocess.CalledProcessError, ValueError, OSError) as exc:
+        raise UserError(f"--base {base_ref}: {path} is not in a git checkout ({exc})") from None
+    if shown.returncode != 0:
+        return None, "new recipe"
+    with tempfile.TemporaryDirectory() as scratch:  # the base's DeepSpeed JSON is read from the same ref
+        base_file = Path(scratch) / path.name
+        base_file.write_text(shown.stdout)
+        recipe = load_recipe(base_file)
+        ds = recipe.data.get("deepspeed")
+        if ds:
+            ds_rel = (Path(rel).parent / str(ds)).as_posix()
+            ds_text = subprocess.run(["git", "show", f"{base_ref}:{ds_rel}"], cwd=top, capture_output=True, text=True)
+            if ds_text.returncode == 0:
+                (Path(scratch) / str(ds)).parent.mkdir(parents=True, exist_ok=True)
+                (Path(scratch) / str(ds)).write_text(ds_text.stdout)
+        return semantic_view(recipe), base_ref
 
 
-if __name__ == "__main__":
-    with tempfile.TemporaryDirectory():
-        write_goldens(Path("recipes"))
+def review_recipe(path: str | Path, hardware: str | None = None, model: str | None = None,
+                  base_ref: str | None = None) -> RecipeReview:
+    recipe = load_recipe(path)
+    lines = key_lines(recipe.text)
+    hw = recipe_hardware(recipe, hardware)
+    plan = plan_from_recipe(recipe, hw)
+    spec = _model_spec(recipe, model)
+    review = RecipeReview(path=str(recipe.path))
+    review.findings = _llamafactory_findings(recipe, lines) + _lfa_findings(recipe, hw, plan, lines, spec)
+    review.findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.line))
+    review.summary = summarize(recipe, hw, plan, spec)
+    if base_ref:
+        base, review.base = _base_view(recipe.path, base_ref)
+        if base is not None:
+            review.diff = semantic_diff(base, semantic_view(recipe))
+    return review
+
+
+def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps([r.to_dict() for r in reviews], indent=2, default=str)
+    if fmt == "github":
+        out = []
+        for r in reviews:
+            for f in r.findings:
+                kind = {"error": "error", "warning": "warning", "info": "notice"}[f.severity]
+                out.append(f"::{kind} file={f.file},line={f.line},title=lfa {f.rule}::{f.message}")
+        return "\n".join(out) + ("\n" if out else "")
+    if fmt == "markdown":
+        return _markdown(reviews)
+    out = []
+    for r in reviews:
+        for f in r.findings:
+            out.append(f"{f.file}:{f.line}: {f.severity}: [{f.rule}] {f.message}")
+        s = r.summary
+        line = f"{r.path}: {s['plan']} on {s['hardware']}, effective batch {s['effective_batch']}, " \
+               f"~{s['tokens_per_step']:,} tokens/step"
+        if "reserved_gib" in s:
+            line += f", {s['reserved_gib']:.1f} of {s['budget_gib']:.1f} GiB"
+        if "predicted_tokens_per_s" in s:
+            line += f", ~{s['predicted_tokens_per_s']:,} tok/s"
+        if "predicted_wall_time_s" in s:
+            line += f", ~{_duration(s['predicted_wall_time_s'])} for {s['dataset_rows']:,} rows"
+        out.append(line)
+        if r.diff is not None:
+            out.append(format_diff(r.diff, f"{r.base}", "this change").rstrip())
+        elif r.base:
+            out.append(f"  ({r.base})")
+    errors = sum(len(r.errors) for r in reviews)
+    out.append(f"lfa review: {len(reviews)} recipe(s), {errors} error(s), "
+               f"{sum(1 for r in reviews for f in r.findings if f.severity == 'warning')} warning(s)")
+    return "\n".join(out) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown(reviews: list[RecipeReview]) -> str:
+    errors = sum(len(r.errors) for r in reviews)
+    out = [f"## lfa review: {len(reviews)} recipe(s), " + (f"**{errors} error(s)**" if errors else "no errors"), ""]
+    for r in reviews:
+        s = r.summary
+        out += [f"### `{r.path}`", ""]
+        if r.findings:
+            out += ["| | line | rule | finding |", "|---|---|---|---|"]
+            icon = {"error": "❌", "warning": "⚠️", "info": "ℹ️"}
+            out += [f"| {icon[f.severity]} {f.severity} | {f.line} | `{f.rule}` | {_cell(f.message)} |"
+                    for f in r.findings]
+        else:
+            out.append("No findings.")
+        out += ["", "| plan | effective batch | tokens/step | memory per GPU | predicted speed | wall time |",
+                "|---|---|---|---|---|---|",
+                f"| `{s['plan']}` on {s['hardware']} | {s['effective_batch']} = {s['micro_batch']} x {s['grad_accum']} x "
+                f"{s['gpus']} | ~{s['tokens_per_step']:,} | "
+                + (f"{s['reserved_gib']:.1f} / {s['budget_gib']:.1f} GiB" if "reserved_gib" in s else "-") + " | "
+                + (f"~{s['predicted_tokens_per_s']:,} tok/s" if "predicted_tokens_per_s" in s else "-") + " | "
+                + (f"~{_duration(s['predicted_wall_time_s'])} ({s['dataset_rows']:,} rows)" if "predicted_wall_time_s" in s else "-")
+                + " |"]
+        if "memory_gib" in s:
+            out += ["", "<details><summary>memory breakdown (GiB per GPU)</summary>", ""]
+            out += [f"- {v:.2f} {k}" for k, v in s["memory_gib"].items()] + ["", "</details>"]
+        if r.diff is not None:
+            out += ["", f"**Changes against `{r.base}`**" + (" (none)" if not r.diff else ""), ""]
+            if r.diff:
+                out.append(format_diff(r.diff, r.base or "base", r.path, "markdown"))
+        elif r.base:
+            out += ["", f"_{r.base}_"]
+        out.append("")
+    return "\n".join(out)

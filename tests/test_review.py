@@ -1,0 +1,187 @@
+"""`lfa review` and `lfa diff`: a clean recipe has no findings; each broken recipe is a real mistake (from the seed
+author's four crashes or from LLaMA-Factory's issue tracker) with the finding it must produce."""
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO, run_lfa
+
+LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_config.json (no optimizer section)
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+}
+
+
+@pytest.fixture
+def clean_recipe(tmp_path):
+    """The v100-32g golden recipe with its data file present: what a reviewer should see with no findings."""
+    folder = tmp_path / "v100-32g"
+    shutil.copytree(REPO / "recipes" / "pseudo2norm" / "v100-32g", folder)
+    (folder / "data").mkdir()
+    row = {"instruction": "", "input": "# This is the pseudo code:\nint a1;\n# What is the source code?\n", "output": "int var1;"}
+    (folder / "data" / "pseudo2norm.jsonl").write_text((json.dumps(row) + "\n") * 10)
+    return folder / "train.yaml"
+
+
+def _review(*args):
+    result = run_lfa("review", *args, "--format", "json")
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, json.loads(result.stdout) if result.stdout.strip() else None
+
+
+def _edit(recipe, pattern, replacement):
+    text = recipe.read_text()
+    new = re.sub(pattern, replacement, text, count=1, flags=re.M)
+    assert new != text, pattern
+    recipe.write_text(new)
+
+
+def _line_of(recipe, key):
+    return next(i for i, line in enumerate(recipe.read_text().splitlines(), 1) if line.startswith(f"{key}:"))
+
+
+def test_clean_recipe_has_no_findings(clean_recipe):
+    code, [review] = _review(clean_recipe)
+    assert code == 0 and review["findings"] == []
+    s = review["summary"]
+    assert s["effective_batch"] == 64 and s["fits"] and s["dataset_rows"] == 10 and s["predicted_wall_time_s"] > 0
+
+
+def _seed_bf16(recipe):  # the seed's first crash: the paper's bf16 on a V100
+    _edit(recipe, r"^fp16: true", "bf16: true")
+    return "bf16", "error", "bf16_unsupported"
+
+
+def _deepspeed_without_torchrun(recipe):  # the seed's second crash
+    (recipe.parent / "ds.json").write_text((REPO / "recipes/pseudo2norm/dgx-a100-80g/ds_zero2.json").read_text())
+    _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds.json")
+    (recipe.parent / "launch.sh").write_text("#!/bin/bash\nexec llamafactory-cli train train.yaml\n")
+    return "deepspeed", "error", "deepspeed_without_torchrun"
+
+
+def _stock_offload_config(recipe):  # LLaMA-Factory issues: "ZeRO-Offload with a client provided optimizer"
+    (recipe.parent / "ds_z2_offload_config.json").write_text(json.dumps(LF_STOCK_Z2_OFFLOAD))
+    _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_z2_offload_config.json")
+    return "deepspeed", "error", "offload_without_optimizer"
+
+
+def _exponent_float(recipe):  # a float written like JSON: a string to plain PyYAML
+    _edit(recipe, r"^learning_rate: .*", "learning_rate: 3e-6")
+    return "learning_rate", "warning", "exponent_float"
+
+
+def _save_strategy_no(recipe):  # YAML 1.1 reads `no` as false
+    _edit(recipe, r"^save_steps: .*", "save_strategy: no")
+    return "save_strategy", "error", "yaml_boolean"
+
+
+def _typo(recipe):
+    _edit(recipe, r"^warmup_ratio:", "warmup_ration:")
+    return "warmup_ration", "error", "unknown_key"
+
+
+def _ray_key_from_094(recipe):  # Ray keys changed between LLaMA-Factory 0.9.4 and 0.9.5
+    _edit(recipe, r"^report_to: none", "report_to: none\nray_run_name: pseudo2norm")
+    return "ray_run_name", "error", "version_dependent_key"
+
+
+def _transformers4_key(recipe):  # group_by_length became train_sampling_strategy in transformers 5
+    _edit(recipe, r"^report_to: none", "report_to: none\ngroup_by_length: true")
+    return "group_by_length", "error", "version_dependent_key"
+
+
+def _seed_fix_batch(recipe):  # the seed's manual fix: bs1 x ga16, an effective batch of 16 instead of 64
+    _edit(recipe, r"^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 16")
+    return "per_device_train_batch_size", "warning", "effective_batch_changed"
+
+
+def _original_on_32g(recipe):  # the paper's bs8 x ga8 without checkpointing on a 32 GB card
+    _edit(recipe, r"^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8")
+    _edit(recipe, r"^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8")
+    return "per_device_train_batch_size", "error", "memory_over_budget"
+
+
+def _space_in_path_with_deepspeed(recipe):  # torchrun's relaunch splits the path
+    _deepspeed_without_torchrun(recipe)
+    (recipe.parent / "launch.sh").write_text("#!/bin/bash\nexport FORCE_TORCHRUN=1\nexec llamafactory-cli train train.yaml\n")
+    _edit(recipe, r"^output_dir: .*", "output_dir: saves/my run")
+    return "output_dir", "error", "path_with_spaces"
+
+
+def _template_typo(recipe):
+    _edit(recipe, r"^template: .*", "template: sk2decompil")
+    return "template", "error", "unknown_template"
+
+
+def _dataset_typo(recipe):
+    _edit(recipe, r"^dataset: .*", "dataset: pseudo2nrom")
+    return "dataset", "error", "dataset_undefined"
+
+
+@pytest.mark.parametrize("mistake", [_seed_bf16, _deepspeed_without_torchrun, _stock_offload_config, _exponent_float,
+                                     _save_strategy_no, _typo, _ray_key_from_094, _transformers4_key, _seed_fix_batch,
+                                     _original_on_32g, _space_in_path_with_deepspeed, _template_typo, _dataset_typo],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_each_real_mistake_gets_its_finding_at_its_line(clean_recipe, mistake):
+    key, severity, rule = mistake(clean_recipe)
+    code, [review] = _review(clean_recipe)
+    found = [f for f in review["findings"] if f["rule"] == rule]
+    assert found, review["findings"]
+    assert found[0]["severity"] == severity and found[0]["line"] == _line_of(clean_recipe, key)
+    assert code == (1 if any(f["severity"] == "error" for f in review["findings"]) else 0)
+    assert code == 1 or severity != "error"
+
+
+def test_unknown_key_suggests_the_nearest_valid_key(clean_recipe):
+    _typo(clean_recipe)
+    _, [review] = _review(clean_recipe)
+    assert "did you mean `warmup_ratio`" in next(f["message"] for f in review["findings"] if f["rule"] == "unknown_key")
+
+
+def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(clean_recipe.parent, broken)
+    _seed_bf16(broken / "train.yaml")
+    result = run_lfa("review", clean_recipe, broken / "train.yaml", "--format", "markdown")
+    assert result.returncode == 1
+    md = result.stdout
+    assert md.startswith("## lfa review: 2 recipe(s), **1 error(s)**")
+    assert f"### `{clean_recipe}`" in md and "No findings." in md
+    assert "| ❌ error | " in md and "`bf16_unsupported`" in md
+    assert "| `fp16/mbs1xga64x1/nogc/liger/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md
+    text = run_lfa("review", broken / "train.yaml")
+    assert f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout
+    github = run_lfa("review", broken / "train.yaml", "--format", "github")
+    assert github.stdout.startswith(f"::error file={broken / 'train.yaml'},line=")
+
+
+def test_review_against_the_base_branch_and_lfa_diff(clean_recipe):
+    folder = clean_recipe.parent
+    git = lambda *a: subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=folder, check=True,
+                                    capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "base")
+    base_copy = folder.parent / "base.yaml"
+    shutil.copy(clean_recipe, base_copy)
+    _edit(clean_recipe, r"^learning_rate: .*", "learning_rate: 1.0e-5")
+    _edit(clean_recipe, r"^logging_steps: .*", "logging_steps: 1")
+    code, [review] = _review(clean_recipe, "--base", "HEAD")
+    assert code == 0 and review["base"] == "HEAD"
+    assert [(d["group"], d["key"]) for d in review["diff"]] == [("results", "learning_rate"), ("other", "logging_steps")]
+    diff = run_lfa("diff", base_copy, clean_recipe)
+    assert diff.returncode == 0
+    assert diff.stdout.index("changes training results") < diff.stdout.index("bookkeeping")
+    assert "learning_rate: 3e-06 -> 1e-05" in diff.stdout
+    same = run_lfa("diff", base_copy, base_copy)
+    assert "no semantic change" in same.stdout
+
+
+def test_review_of_a_missing_recipe_is_one_error(tmp_path):
+    result = run_lfa("review", tmp_path / "nope.yaml")
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
