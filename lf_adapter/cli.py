@@ -302,9 +302,73 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
                            json_events=as_json, overrides=tuple(sets))
     if detach:
         run = start_detached(request)
-        click.echo(f"started run {run.name} in the background (pid {run.pid}); lfa status {run.dir} / lfa logs -f {run.dir}")
+        click.echo(f"started run {run.name} in the background (pid {run.pid}); follow it with: lfa status {run.dir}; "
+                   f"lfa logs -f {run.dir}; lfa stop {run.dir}")
         return
     sys.exit(supervise(request))
+
+
+@main.command()
+@click.argument("runs", nargs=-1)
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def status(runs, as_json):
+    """State of runs (default: every run under ./runs): attempts, step, loss, tokens/s, GPU memory, last failure.
+
+    Example: lfa status runs/v100-32g
+    """
+    from .run_control import all_runs, resolve_run_dir, run_status
+
+    dirs = [resolve_run_dir(r) for r in runs] or all_runs()
+    statuses = [run_status(d) for d in dirs]
+    if as_json:
+        click.echo(json.dumps([s.to_dict() for s in statuses], indent=2))
+        return
+    if not statuses:
+        click.echo("no runs under ./runs")
+    for s in statuses:
+        step = f"step {s.step}/{s.total_steps}" if s.step is not None else "no step yet"
+        extras = [f"loss {s.loss:.4f}" if s.loss is not None else "",
+                  f"{s.tokens_per_s:,} tok/s" if s.tokens_per_s else "",
+                  f"GPU {s.gpu_reserved_gib:.1f} GiB" if s.gpu_reserved_gib else "",
+                  f"last failure {s.failure}" if s.failure else ""]
+        click.echo(f"{s.name:24s} {s.state:10s} attempt {s.attempts}  {step}  " + "  ".join(e for e in extras if e))
+
+
+@main.command()
+@click.argument("run")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends (across retries).")
+@click.option("-n", "--lines", type=int, default=40, show_default=True, help="Lines of the newest attempt log first.")
+@user_errors
+def logs(run, follow, lines):
+    """The newest attempt's log of RUN (a run directory or a name under ./runs).
+
+    Example: lfa logs -f v100-32g
+    """
+    from .run_control import follow_logs, resolve_run_dir
+
+    try:
+        follow_logs(resolve_run_dir(run), follow, lines, sys.stdout)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@main.command()
+@click.argument("run")
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds for the graceful stop before everything left is killed.")
+@user_errors
+def stop(run, timeout_s):
+    """Stop RUN: the supervisor ends the trainer's whole process group (SIGINT, then SIGTERM, then SIGKILL);
+    after --timeout everything left is killed. Exit 1 if a process of the trainer's group survives.
+
+    Example: lfa stop v100-32g
+    """
+    from .run_control import resolve_run_dir, stop_run
+
+    what, left = stop_run(resolve_run_dir(run), timeout_s)
+    click.echo(f"{run}: {what}" + ("; processes of the trainer's group are still alive" if left else ""))
+    sys.exit(1 if left else 0)
 
 
 @main.command()

@@ -223,3 +223,40 @@ def detect(check_network: bool = True, disk_path: str = ".") -> DetectReport:
 
 def save_profile(profile: HardwareProfile, path: Path) -> None:
     path.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+
+
+class GpuMemoryProbe:
+    """Used memory of the visible GPUs through NVML (the largest, GiB), for the live progress line; None without
+    a driver. NVML is opened once per attempt, not per reading."""
+
+    def __init__(self):
+        self._nvml, self._handles = None, None
+
+    def used_gib(self) -> float | None:
+        if self._handles is None:
+            self._handles = []
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                indices = [int(i) for i in visible.split(",") if i.strip().isdigit()] if visible else \
+                    range(pynvml.nvmlDeviceGetCount())
+                self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+            except Exception:  # no driver (a CPU machine) or no nvidia-ml-py
+                self._handles = []
+        if not self._handles:
+            return None
+        try:
+            return max(self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles) / 2**30
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = None

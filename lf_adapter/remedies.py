@@ -2,6 +2,7 @@
 training semantics (effective batch exact; the learning rate only moves with --allow-hparam-change)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ class Attempt:
     plan: Plan
     keys: dict = field(default_factory=dict)  # extra LLaMA-Factory overrides (learning_rate, workers...)
     env: dict = field(default_factory=dict)
+    own_deepspeed_config: bool = False  # run on lfa's rendered DeepSpeed config instead of the recipe's file
 
 
 @dataclass(frozen=True)
@@ -124,31 +126,37 @@ def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | No
     if action == "force_torchrun":
         if a.env.get("FORCE_TORCHRUN") == "1":
             return None
-        return Attempt(a.plan, a.keys, {**a.env, "FORCE_TORCHRUN": "1"}), "FORCE_TORCHRUN=1: launch through torchrun"
+        return dataclasses.replace(a, env={**a.env, "FORCE_TORCHRUN": "1"}), "FORCE_TORCHRUN=1: launch through torchrun"
     if action == "hub_mirror":
         if not c.hub_mirror or a.env.get("HF_ENDPOINT") == c.hub_mirror:
             return None
-        return Attempt(a.plan, a.keys, {**a.env, "HF_ENDPOINT": c.hub_mirror}), f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"
+        return dataclasses.replace(a, env={**a.env, "HF_ENDPOINT": c.hub_mirror}), f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"
     if action == "hub_offline":
         if not c.model_cached or a.env.get("HF_HUB_OFFLINE") == "1":
             return None
-        return Attempt(a.plan, a.keys, {**a.env, "HF_HUB_OFFLINE": "1"}), "hub unreachable but files cached: HF_HUB_OFFLINE=1"
+        return dataclasses.replace(a, env={**a.env, "HF_HUB_OFFLINE": "1"}), "hub unreachable but files cached: HF_HUB_OFFLINE=1"
+    if action == "lfa_deepspeed_config":
+        if a.own_deepspeed_config or a.plan.deepspeed is None:
+            return None
+        return dataclasses.replace(a, own_deepspeed_config=True), (
+            "the DeepSpeed config offloads without naming an optimizer: use lfa's config for the same plan "
+            "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)")
     if action == "resume_as_is":
         return a, "transient collective timeout: resume from the last checkpoint unchanged"
     if action == "fewer_checkpoints":
         if a.keys.get("save_total_limit") == 1:
             return None
-        return Attempt(a.plan, {**a.keys, "save_total_limit": 1}, a.env), "disk full: keep only the newest checkpoint"
+        return dataclasses.replace(a, keys={**a.keys, "save_total_limit": 1}), "disk full: keep only the newest checkpoint"
     if action == "fewer_workers":
         if a.keys.get("dataloader_num_workers") == 0:
             return None
-        return Attempt(a.plan, {**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}, a.env), (
+        return dataclasses.replace(a, keys={**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}), (
             "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
     if action == "lower_lr":
         if not c.allow_hparam_change or c.learning_rate is None:
             return None
         lr = a.keys.get("learning_rate", c.learning_rate) / 2
-        return Attempt(a.plan, {**a.keys, "learning_rate": lr}, a.env), (
+        return dataclasses.replace(a, keys={**a.keys, "learning_rate": lr}), (
             f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)")
     return None
 
@@ -167,7 +175,7 @@ def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set
             if result is not None:
                 tried.update(() if repeatable else [f"{failure.kind}:{index}"])
                 plan, why = result
-                return Remedy(action, Attempt(plan, attempt.keys, attempt.env), why)
+                return Remedy(action, dataclasses.replace(attempt, plan=plan), why)
         else:
             result = _env_action(attempt, action, context)
             if result is not None:

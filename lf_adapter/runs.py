@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from . import UserError
+from .hardware import GpuMemoryProbe
 from .launch import launch_env, llamafactory_command, resolve_env, start, stop_group
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify
 from .plan import Plan
@@ -54,9 +55,9 @@ def plan_keys(plan: Plan) -> dict:
     }
 
 
-def key_changes(recipe: Recipe, attempt: Attempt) -> dict:
-    """Keys whose value for this attempt differs from the recipe file."""
-    base_plan_keys = plan_keys(plan_from_recipe(recipe, recipe_hardware(recipe)))
+def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
+    """Keys whose value for this attempt differs from the recipe file (base_plan_keys: plan_keys of the recipe's
+    own plan, computed once per run)."""
     changes = {}
     for key, value in {**plan_keys(attempt.plan), **attempt.keys}.items():
         current = recipe.data.get(key, base_plan_keys.get(key))
@@ -65,6 +66,16 @@ def key_changes(recipe: Recipe, attempt: Attempt) -> dict:
         if _scalar(current) != _scalar(value):
             changes[key] = value
     return changes
+
+
+def write_deepspeed_config(folder: Path, plan: Plan) -> str:
+    """Render lfa's DeepSpeed config for a retry; never overwrites a different file of the user's."""
+    name, text = render_deepspeed(plan)
+    path = folder / name
+    if path.exists() and path.read_text() != text:
+        path = folder / (Path(name).stem + ".lfa.json")
+    path.write_text(text)
+    return path.name
 
 
 def is_complete_checkpoint(path: Path) -> bool:
@@ -114,44 +125,82 @@ class Ledger:
 
 
 class Reporter:
-    def __init__(self, json_events: bool):
+    """Events for people (a live progress line on a terminal, plain lines otherwise) or machines (--json)."""
+
+    def __init__(self, json_events: bool, live: bool | None = None):
         self.json_events = json_events
+        self.live = (not json_events and sys.stdout.isatty()) if live is None else live
+        self._live = None
 
     def event(self, event_name: str, text: str, **data) -> None:
         if self.json_events:
             click.echo(json.dumps({"event": event_name, **data}, default=str))
+        elif self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False)
         else:
             click.echo(text, err=event_name in ("failure", "remedy", "error"))
 
+    def progress(self, n: int, state: dict, record: dict | None) -> None:
+        """record: a new trainer_log.jsonl line (plain and JSON output report those only); the live line
+        also moves with every optimizer step and GPU memory reading."""
+        if self.json_events or not self.live:
+            if record is not None:
+                self.event("progress", _progress_text(n, state), attempt=n, **record,
+                           **{k: v for k, v in state.items() if k not in record})
+            return
+        from rich.live import Live
+        from rich.text import Text
 
-def _progress_text(n: int, record: dict, events: dict) -> str:
-    parts = [f"[attempt {n}] step {record.get('current_steps')}/{record.get('total_steps')}"]
-    if "loss" in record:
-        parts.append(f"loss {record['loss']:.4f}")
-    if "lr" in record:
-        parts.append(f"lr {record['lr']:.2e}")
-    if events.get("tokens_per_s"):
-        parts.append(f"{events['tokens_per_s']:,.0f} tok/s")
-    if record.get("remaining_time"):
-        parts.append(f"ETA {record['remaining_time']}")
-    if events.get("gpu_reserved_gib"):
-        parts.append(f"GPU {events['gpu_reserved_gib']:.1f} GiB")
+        if self._live is None:
+            self._live = Live(Text(""), refresh_per_second=4, transient=False)
+            self._live.start()
+        self._live.update(Text(_progress_text(n, state)))
+
+    def end_progress(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+def _progress_text(n: int, state: dict) -> str:
+    step, total = state.get("step"), state.get("total")
+    parts = [f"[attempt {n}] step {step if step is not None else '-'}/{total or '-'}"]
+    if total and step is not None:
+        filled = int(20 * min(step, total) / total)
+        parts[0] += " [" + "#" * filled + "." * (20 - filled) + "]"
+    if state.get("loss") is not None:
+        parts.append(f"loss {state['loss']:.4f}")
+    if state.get("lr") is not None:
+        parts.append(f"lr {state['lr']:.2e}")
+    if state.get("tokens_per_s"):
+        parts.append(f"{state['tokens_per_s']:,.0f} tok/s")
+    if state.get("eta"):
+        parts.append(f"ETA {state['eta']}")
+    if state.get("gpu_used_gib") is not None:
+        parts.append(f"GPU {state['gpu_used_gib']:.1f} GiB (NVML)")
+    elif state.get("gpu_reserved_gib"):
+        parts.append(f"GPU {state['gpu_reserved_gib']:.1f} GiB reserved")
     return "  ".join(parts)
 
 
-def _events_rate(events_follower: FileFollower, reader: LineReader, state: dict) -> dict:
+def _read_events(events_follower: FileFollower, reader: LineReader, state: dict) -> bool:
+    """Fold new plugin events into the progress state; True when something arrived."""
+    changed = False
     for line in reader.feed(events_follower.read_new()):
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if event.get("event") == "step" and event.get("step_tokens") and event.get("step_time_s"):
-            rate = event["step_tokens"] / event["step_time_s"]
-            previous = state.get("tokens_per_s")
-            state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate  # smoothed
+        changed = True
+        if event.get("event") == "step":
+            state["step"], state["total"] = event.get("global_step"), event.get("max_steps")
+            if event.get("step_tokens") and event.get("step_time_s"):
+                rate = event["step_tokens"] / event["step_time_s"]
+                previous = state.get("tokens_per_s")
+                state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate  # smoothed
         if "gpu_reserved_gib" in event:
             state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
-    return state
+    return changed
 
 
 def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
@@ -165,6 +214,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
     events.offset = events_path.stat().st_size if events_path.exists() else 0
     events_reader, state = LineReader(tail=20), {}
     reader = LineReader()
+    gpu_probe, probed_at = GpuMemoryProbe(), 0.0
     result = {"log": log_path.name, "first_step": None, "last_step": None, "live_stop": None}
     with log_path.open("ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
@@ -183,14 +233,22 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                 if live and live.kind in LIVE_FATAL:
                     detected_at = time.time()
                     result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
+            changed = _read_events(events, events_reader, state)
+            if time.time() - probed_at > 2.0:
+                state["gpu_used_gib"], probed_at, changed = gpu_probe.used_gib(), time.time(), True
             for record in watcher.poll():
                 step = record.get("current_steps")
                 if step is not None:
                     result["first_step"] = result["first_step"] or step
                     result["last_step"] = step
-                _events_rate(events, events_reader, state)
-                reporter.event("progress", _progress_text(n, record, state), attempt=n, **record,
-                               **state)
+                    state.update(step=step, total=record.get("total_steps"))
+                state.update({k: record[k] for k in ("loss", "lr") if k in record})
+                if record.get("remaining_time"):
+                    state["eta"] = record["remaining_time"]
+                reporter.progress(n, state, record)
+                changed = False
+            if changed:
+                reporter.progress(n, state, None)
             if watcher.diverged and detected_at is None:
                 detected_at = time.time()
                 log_file.write(b"lfa: non-finite loss or grad_norm in 3 consecutive logs; stopping the attempt\n")
@@ -203,6 +261,8 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                 break
             time.sleep(POLL_S)
         returncode = process.wait()
+        reporter.end_progress()
+        gpu_probe.close()
         reader.feed(follower.read_new())
         reader.flush()
         result.update(returncode=returncode, duration_s=round(time.time() - started, 2), started_at=started,
@@ -251,6 +311,7 @@ def supervise(request: TrainRequest) -> int:
                       learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
                       model_cached=model_dir.is_dir())
     attempt = Attempt(plan_from_recipe(recipe, hardware))
+    base_plan_keys = plan_keys(attempt.plan)
     notes: list[str] = []
     tried: set[str] = set()
     interrupted = {"process": None, "signal": None}
@@ -269,10 +330,9 @@ def supervise(request: TrainRequest) -> int:
     try:
         for _ in range(request.max_attempts):
             n = len(ledger.attempts) + 1
-            changes = key_changes(recipe, attempt)
-            if "deepspeed" in changes and changes["deepspeed"]:
-                ds_name, ds_text = render_deepspeed(attempt.plan)
-                (recipe.folder / ds_name).write_text(ds_text)
+            changes = key_changes(recipe, attempt, base_plan_keys)
+            if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
+                changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
             overrides = {**changes, **user_keys}
             checkpoint = newest_complete_checkpoint(output_dir) if output_dir.exists() else None
             if checkpoint:
@@ -351,6 +411,7 @@ def supervise(request: TrainRequest) -> int:
         reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
         return 130
     finally:
+        reporter.end_progress()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

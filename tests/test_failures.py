@@ -21,6 +21,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "failures"
     ("hub_network.log", "hub_network", True),
     ("config_unknown_key.log", "config_error", False),
     ("config_template.log", "config_error", False),
+    # reconstructed from DeepSpeed 0.19.8's message (runtime/engine.py:2345) inside an LF 0.9.5 torchrun traceback
+    ("deepspeed_offload_client_optimizer.log", "deepspeed_offload_optimizer", True),
 ])
 def test_real_error_texts_are_classified(fixture, kind, retriable):
     failure = classify((FIXTURES / fixture).read_text().splitlines(), 1)
@@ -74,3 +76,18 @@ def test_line_reader_handles_carriage_returns_bad_bytes_and_huge_lines():
     lines = reader.feed(b"  5%|#  | 1/20\r 10%|## | 2/20\rok \xff\xfe\n" + b"x" * 100000 + b"\n")
     assert lines[0].strip().startswith("5%") and lines[2].startswith("ok \ufffd")
     assert len(lines[3]) == 4000
+
+
+def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_users(tmp_path):
+    from lf_adapter.runs import write_deepspeed_config
+
+    failure = classify((FIXTURES / "deepspeed_offload_client_optimizer.log").read_text().splitlines(), 1)
+    attempt = Attempt(Plan("bf16", 4, 16, deepspeed="zero2", offload="optimizer"), env={"FORCE_TORCHRUN": "1"})
+    remedy = next_remedy(attempt, failure, Context(load_profile("a100-80g")), set())
+    assert remedy.action == "lfa_deepspeed_config" and remedy.attempt.own_deepspeed_config
+    assert remedy.attempt.env == {"FORCE_TORCHRUN": "1"} and remedy.attempt.plan == attempt.plan
+    users = tmp_path / "ds_zero2_offload_optimizer.json"
+    users.write_text('{"zero_optimization": {"stage": 2}}')
+    name = write_deepspeed_config(tmp_path, remedy.attempt.plan)
+    assert name == "ds_zero2_offload_optimizer.lfa.json" and users.read_text() == '{"zero_optimization": {"stage": 2}}'
+    assert '"optimizer"' in (tmp_path / name).read_text()

@@ -120,3 +120,36 @@ def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
     assert ledger["status"] == "stopped"
     pid = ledger["attempts"][0]["trainer_pid"]
     assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
+
+
+def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
+    run_dir = tmp_path / "run"
+    started = run_lfa("train", recipe, "--run-dir", run_dir, "--detach", env={"LFA_STEP_DELAY_S": "0.2"})
+    assert started.returncode == 0 and "lfa stop" in started.stdout, started.stderr
+    supervisor = int((run_dir / "supervisor.pid").read_text())
+    assert os.getsid(supervisor) == supervisor  # its own session: a logout's SIGHUP does not reach it
+    assert _wait_for(lambda: any(e["event"] == "step" and e["global_step"] >= 2 for e in _events(run_dir)))
+    status = run_lfa("status", run_dir, "--json")
+    [state] = json.loads(status.stdout)
+    assert state["state"] == "running" and state["step"] >= 2 and state["total_steps"] == 400
+    logs = run_lfa("logs", run_dir, "-n", "5")
+    assert logs.returncode == 0 and logs.stdout.strip()
+    trainer = _ledger(run_dir)["attempts"][0]["trainer_pid"]
+    stopped = run_lfa("stop", run_dir, "--timeout", "60")
+    assert stopped.returncode == 0 and "stopped (graceful)" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert _ledger(run_dir)["status"] == "stopped"
+    assert not os.path.exists(f"/proc/{trainer}") or "Z" in open(f"/proc/{trainer}/stat").read().rsplit(")", 1)[1].split()[0]
+    followed = run_lfa("logs", run_dir, "-f", timeout=60)  # a finished run: prints and returns
+    assert followed.returncode == 0 and "==> run stopped <==" in followed.stdout
+    again = run_lfa("stop", run_dir)
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+def test_progress_line_carries_step_loss_speed_eta_and_gpu_memory():
+    from lf_adapter.runs import _progress_text
+
+    text = _progress_text(2, {"step": 5, "total": 10, "loss": 1.23456, "lr": 3e-6, "tokens_per_s": 23511.4,
+                              "eta": "0:01:02", "gpu_used_gib": 26.7})
+    assert text.startswith("[attempt 2] step 5/10 [##########..........]")
+    assert "loss 1.2346" in text and "23,511 tok/s" in text and "ETA 0:01:02" in text and "GPU 26.7 GiB (NVML)" in text

@@ -1,0 +1,199 @@
+"""`lfa status`, `lfa logs`, `lfa stop`: read a run directory (ledger.json, attempt logs, events.jsonl) and act on
+the processes it records. The supervisor runs in its own session and the trainer in its own process group, so a
+stop reaches torchrun's workers too and nothing is left holding a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import UserError
+from .monitor import FileFollower
+
+FINAL = {"succeeded", "failed", "stopped"}
+
+
+def alive(pid: int | None) -> bool:
+    """A live, non-zombie process."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def group_alive(pgid: int | None) -> bool:
+    """Does any process of this process group remain (zombies excepted)?"""
+    if not pgid:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def resolve_run_dir(run: str) -> Path:
+    """A run directory, or a run name under ./runs."""
+    for candidate in (Path(run), Path("runs") / run):
+        if (candidate / "ledger.json").is_file() or (candidate / "supervisor.pid").is_file():
+            return candidate
+    raise UserError(f"no run '{run}': neither {run} nor runs/{run} holds a ledger.json (see `lfa status`)")
+
+
+def read_ledger(run_dir: Path) -> dict:
+    pid_file = run_dir / "supervisor.pid"
+    if not (run_dir / "ledger.json").is_file() and pid_file.is_file():  # lfa train --detach, a moment after start
+        return {"status": "starting", "supervisor_pid": int(pid_file.read_text().strip() or 0), "attempts": []}
+    try:
+        return json.loads((run_dir / "ledger.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {run_dir / 'ledger.json'}: {exc}") from None
+
+
+@dataclass
+class RunStatus:
+    name: str
+    dir: str
+    state: str  # starting | running | succeeded | failed | stopped | dead (supervisor gone, no end recorded)
+    attempts: int
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    gpu_reserved_gib: float | None = None
+    failure: str | None = None
+    supervisor_pid: int | None = None
+    trainer_pid: int | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _last_events(run_dir: Path) -> dict:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return {}
+    with path.open("rb") as fh:  # the tail is enough: a long run's events file grows with every step
+        start = max(0, path.stat().st_size - 65536)
+        fh.seek(start)
+        lines = fh.read().decode("utf-8", errors="replace").splitlines()[1 if start else 0:]
+    state: dict = {}
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "step":
+            state["step"], state["total_steps"] = event.get("global_step"), event.get("max_steps")
+            if event.get("step_tokens") and event.get("step_time_s"):
+                state["tokens_per_s"] = round(event["step_tokens"] / event["step_time_s"])
+        if event.get("event") == "log" and "loss" in event:
+            state["loss"] = event["loss"]
+        if "gpu_reserved_gib" in event:
+            state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
+    return state
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    ledger = read_ledger(run_dir)
+    attempts = ledger.get("attempts", [])
+    last = attempts[-1] if attempts else {}
+    state = ledger.get("status", "new")
+    if state not in FINAL and not alive(ledger.get("supervisor_pid")):
+        state = "dead"
+    status = RunStatus(name=run_dir.resolve().name, dir=str(run_dir), state=state, attempts=len(attempts),
+                       supervisor_pid=ledger.get("supervisor_pid"), trainer_pid=last.get("trainer_pid"),
+                       failure=(last.get("failure") or {}).get("kind"))
+    for key, value in _last_events(run_dir).items():
+        setattr(status, key, value)
+    return status
+
+
+def all_runs(root: Path = Path("runs")) -> list[Path]:
+    return sorted(p.parent for p in root.glob("*/ledger.json")) if root.is_dir() else []
+
+
+def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
+    """Graceful first (SIGINT to the supervisor, which stops the trainer's group: SIGINT, SIGTERM, SIGKILL), then
+    forced (SIGKILL to both groups). Returns (what happened, whether any process of the trainer group remains)."""
+    ledger = read_ledger(run_dir)
+    supervisor = ledger.get("supervisor_pid")
+    trainers = [a.get("trainer_pid") for a in ledger.get("attempts", []) if a.get("trainer_pid")]
+    trainer = trainers[-1] if trainers else None
+    if not alive(supervisor) and not group_alive(trainer):
+        return f"not running ({ledger.get('status', 'unknown')})", False
+    how = "graceful"
+    if alive(supervisor):
+        os.kill(supervisor, signal.SIGINT)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and (alive(supervisor) or group_alive(trainer)):
+            time.sleep(0.2)
+    if alive(supervisor) or group_alive(trainer):
+        how = "forced"
+        for pgid in (trainer, supervisor):
+            try:
+                if pgid:
+                    os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.5)
+        ledger = read_ledger(run_dir)
+        ledger["status"] = "stopped"
+        ledger["stopped_by"] = "lfa stop (forced)"
+        (run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2, default=str))
+    return f"stopped ({how})", group_alive(trainer)
+
+
+def follow_logs(run_dir: Path, follow: bool, lines: int, out, poll_s: float = 0.3) -> None:
+    """Print the newest attempt's log (its last `lines` lines), then with follow keep printing, switching to the
+    next attempt's log when the supervisor retries, until the run has ended."""
+    def newest_log() -> Path | None:
+        logs = sorted(run_dir.glob("attempt-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+        return logs[-1] if logs else None
+
+    current = newest_log()
+    follower = None
+    if current is not None:
+        text = current.read_bytes().decode("utf-8", errors="replace").replace("\r", "\n").splitlines()
+        out.write("\n".join(text[-lines:]) + ("\n" if text else ""))
+        follower = FileFollower(current)
+        follower.offset = current.stat().st_size
+    while follow:
+        if follower is not None:
+            chunk = follower.read_new()
+            if chunk:
+                out.write(chunk.decode("utf-8", errors="replace"))
+                out.flush()
+        newest = newest_log()
+        if newest is not None and newest != current:
+            current, follower = newest, FileFollower(newest)
+            out.write(f"\n==> {newest.name} <==\n")
+            continue
+        status = run_status(run_dir)
+        if status.state in FINAL or status.state == "dead":
+            if follower is not None:
+                out.write(follower.read_new().decode("utf-8", errors="replace"))
+            out.write(f"==> run {status.state} <==\n")
+            return
+        time.sleep(poll_s)
