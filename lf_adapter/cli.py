@@ -137,6 +137,10 @@ def _print_plan(gen_or_result, model, hardware) -> None:
 @click.option("--pin", "pins", multiple=True, metavar="FIELD=VALUE",
               help="Fix a plan field the planner would choose: micro_batch_size, gradient_checkpointing, liger, "
                    "attention, deepspeed (zero2|zero3|none), offload (none|optimizer|all).")
+@click.option("--launcher", type=click.Choice(["torchrun", "ray"]), default="torchrun", show_default=True,
+              help="How several GPUs/nodes start: LLaMA-Factory's torchrun relaunch or its Ray workers (USE_RAY=1).")
+@click.option("--llamafactory-version", metavar="X.Y.Z",
+              help="Write keys for this LLaMA-Factory (default: the installed one; Ray keys changed in 0.9.5).")
 @click.option("--no-sorted-steps", is_flag=True,
               help="Keep random micro-batches (default: sort each step's rows by length into micro-batches).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -148,7 +152,8 @@ def _print_plan(gen_or_result, model, hardware) -> None:
 @click.option("--check", is_flag=True, help="Regenerate every golden recipe in recipes/ and fail on drift.")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, no_sorted_steps, sets, save_steps,
+def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, launcher,
+             llamafactory_version, no_sorted_steps, sets, save_steps,
              logging_steps, out_dir, force, check, as_json):
     """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
 
@@ -172,10 +177,13 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
         + (["--gpus", str(gpus)] if gpus else []) + (["--precision", precision] if precision else []) \
         + (["--allow-packing"] if allow_packing else []) + (["--no-sorted-steps"] if no_sorted_steps else []) \
         + [x for s in pins for x in ("--pin", s)] \
+        + (["--launcher", launcher] if launcher != "torchrun" else []) \
+        + (["--llamafactory-version", llamafactory_version] if llamafactory_version else []) \
         + [x for s in sets for x in ("--set", s)]
     request = GenerateRequest(task=task, out_dir=out, model=model, dataset=dataset, template=template,
                               hardware=hardware, gpus=gpus, allow_packing=allow_packing, precision=precision,
-                              sort_steps=not no_sorted_steps, pins=tuple(pins),
+                              sort_steps=not no_sorted_steps, pins=tuple(pins), launcher=launcher,
+                              llamafactory_version=llamafactory_version,
                               sets=tuple(sets), save_steps=save_steps, logging_steps=logging_steps,
                               command="lfa generate " + shlex.join(args))
     gen = run_generate(request)
@@ -289,8 +297,12 @@ def diff_cmd(old, new, fmt):
 @click.option("--json", "as_json", is_flag=True, help="JSON events on stdout instead of the progress line.")
 @click.option("--detach", is_flag=True, help="Run in the background, surviving logout; see lfa status/logs/stop.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="LLaMA-Factory key=value overrides.")
+@click.option("--node-rank", type=int, help="Multi-node: this node's rank; run one `lfa train` per node.")
+@click.option("--master-addr", help="Multi-node: node 0's address (default: the hardware profile's).")
+@click.option("--master-port", type=int, help="Multi-node: the rendezvous port (default: the profile's, 29500).")
 @user_errors
-def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets):
+def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets, node_rank, master_addr,
+          master_port):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
@@ -299,7 +311,8 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
 
     request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
-                           json_events=as_json, overrides=tuple(sets))
+                           json_events=as_json, overrides=tuple(sets), node_rank=node_rank,
+                           master_addr=master_addr, master_port=master_port)
     if detach:
         run = start_detached(request)
         click.echo(f"started run {run.name} in the background (pid {run.pid}); follow it with: lfa status {run.dir}; "

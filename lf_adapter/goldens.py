@@ -25,6 +25,8 @@ def _request_from_args(args: list[str], out_dir: Path) -> GenerateRequest:
             sets.append(args[i + 1])
         elif key == "pin":
             pins.append(args[i + 1])
+        elif key in ("launcher", "llamafactory_version"):
+            values[key] = args[i + 1]
         else:
             values[key] = args[i + 1]
         i += 2
@@ -33,6 +35,7 @@ def _request_from_args(args: list[str], out_dir: Path) -> GenerateRequest:
                            hardware=values.get("hardware", "detect"), gpus=int(values["gpus"]) if "gpus" in values else None,
                            allow_packing="allow_packing" in flags, sort_steps="no_sorted_steps" not in flags,
                            precision=values.get("precision"), sets=tuple(sets), pins=tuple(pins),
+                           launcher=values.get("launcher", "torchrun"), llamafactory_version=values.get("llamafactory_version"),
                            command="lfa generate " + shlex.join(args))
 
 

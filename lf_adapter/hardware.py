@@ -53,10 +53,15 @@ class HardwareProfile:
     cpu_cores: int = 1
     ram_gib: float = 0.0
     description: str = ""
+    processes_per_node: int = 1  # training processes per node on a machine without GPUs (gloo)
+    master_addr: str | None = None  # node 0's address, fixed for multi-node rendezvous
+    master_port: int = 29500
+    hosts: tuple[str, ...] = ()  # optional: host name of each node, in rank order
 
     @property
     def world_size(self) -> int:
-        return max(1, self.nodes * self.gpus_per_node)
+        per_node = self.gpus_per_node if self.has_gpu else self.processes_per_node
+        return max(1, self.nodes * per_node)
 
     @property
     def has_gpu(self) -> bool:
@@ -81,6 +86,10 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
             cpu_cores=int(data.get("cpu_cores", 1)),
             ram_gib=float(data.get("ram_gib", 0.0)),
             description=str(data.get("description", "")),
+            processes_per_node=int(data.get("processes_per_node", 1)),
+            master_addr=str(data["master_addr"]) if data.get("master_addr") else None,
+            master_port=int(data.get("master_port", 29500)),
+            hosts=tuple(str(h) for h in data.get("hosts") or ()),
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None

@@ -23,19 +23,22 @@ class LaunchEnv:
     why: str
 
 
-def launch_env(plan: Plan, offline: bool, master_port: int = 29500) -> list[LaunchEnv]:
+def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None) -> list[LaunchEnv]:
     """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them."""
     env = [LaunchEnv("DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers")]
     if offline:
         env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
     distributed = plan.deepspeed is not None or plan.world_size > 1
-    if distributed:
+    if plan.launcher == "ray":
+        env.append(LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)"))
+        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    elif distributed:
         env += [
             LaunchEnv("FORCE_TORCHRUN", "1", "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself"),
             LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
             LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
             LaunchEnv("NODE_RANK", "${NODE_RANK:-0}" if plan.nodes > 1 else "0", "this node's rank"),
-            LaunchEnv("MASTER_ADDR", "${MASTER_ADDR:-127.0.0.1}", "rendezvous host (node 0)"),
+            LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
             LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
         ]
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
@@ -63,6 +66,10 @@ def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) ->
         env[entry.name] = value
     boot = str(boot_dir())
     env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # LLaMA-Factory relaunches through `torchrun` found on PATH: the one beside this interpreter, venv or not
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -21,6 +21,7 @@ class Plan:
     packing: bool = False
     sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+    launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)
     reasons: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -42,4 +43,6 @@ class Plan:
             parts.append("packing")
         if self.sorted_steps:
             parts.append("sorted")
+        if self.launcher == "ray":
+            parts.append("ray")
         return "/".join(parts)

@@ -18,6 +18,7 @@ class PlanOptions:
     allow_packing: bool = False
     allow_deepspeed: bool = True
     alloc_conf: str | None = EXPANDABLE_SEGMENTS  # PYTORCH_CUDA_ALLOC_CONF for GPU plans
+    launcher: str = "torchrun"  # or "ray" (LLaMA-Factory's USE_RAY=1)
     liger_available: bool = True  # liger-kernel needs a CUDA GPU with Triton
     flash_attn_available: bool = False
     headroom: float = DEFAULT_HEADROOM
@@ -128,11 +129,14 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
               ("zero3", "all")]
     for mbs, gc, lg, attn, (stage, offload), pack in itertools.product(
             _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing):
+        if lg and stage == "zero3":
+            continue  # liger's fused cross-entropy reads lm_head.weight directly, which ZeRO-3 leaves sharded
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
                     world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
                     attention=attn, deepspeed=stage, offload=offload, packing=pack,
                     sorted_steps=options.sort_steps and mbs > 1 and not pack,
-                    alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf))
+                    alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
+                    launcher=options.launcher)
         if all(getattr(plan, key) == value for key, value in options.fixed.items() if key != "alloc_conf"):
             yield plan
 
@@ -199,7 +203,8 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
     reasons = {
         "precision": precision_reason,
         "batch": (f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
-                  f"{p.grad_accum} accumulation x {p.world_size} GPU(s); predicted peak {limit}"),
+                  f"{p.grad_accum} accumulation x {p.world_size} {'GPU(s)' if hardware.has_gpu else 'process(es)'}; "
+                  f"predicted peak {limit}"),
         "gradient_checkpointing": ("on: without it the activations of this micro-batch do not fit, or a larger "
                                    "micro-batch with it is faster" if p.gradient_checkpointing else
                                    "off: the activations fit, which saves the ~33% recompute"),

@@ -34,6 +34,8 @@ class GenerateRequest:
     allow_packing: bool = False
     sort_steps: bool = True
     pins: tuple[str, ...] = ()  # FIELD=VALUE plan fields fixed by the user
+    launcher: str = "torchrun"
+    llamafactory_version: str | None = None  # default: the installed one, else 0.9.5
     precision: str | None = None
     sets: tuple[str, ...] = ()
     save_steps: int = 500
@@ -137,7 +139,10 @@ def generate(request: GenerateRequest) -> Generated:
     liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
+    if request.launcher == "ray" and hardware.world_size == 1:
+        raise UserError("--launcher ray needs several GPUs or nodes: one process needs no launcher")
     options = PlanOptions(allow_packing=request.allow_packing, sort_steps=request.sort_steps, liger_available=liger_ok,
+                          launcher=request.launcher,
                           flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
                           mean_seq_fraction=mean_fraction, fixed=fixed)
     if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
@@ -155,5 +160,6 @@ def generate(request: GenerateRequest) -> Generated:
                           command=request.command or "lfa generate " + shlex.join(["--task", task.name]),
                           recipe_name=request.name, hyperparameters=hp, extra=extra,
                           offline=local_model,
-                          save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta)
+                          save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta,
+                          llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5")
     return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task)

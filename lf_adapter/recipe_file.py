@@ -108,4 +108,5 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
         packing=_truthy(d.get("packing", False)) or _truthy(d.get("neat_packing", False)),
         sorted_steps=bool(recipe.meta.get("sorted_steps", False)),
         alloc_conf=recipe.meta.get("alloc_conf"),
+        launcher="ray" if "ray_num_workers" in d or recipe.meta.get("launcher") == "ray" else "torchrun",
     )

@@ -70,6 +70,13 @@ def _gpu_only(action):
     return wrapped
 
 
+def _not_zero3(action):
+    """liger's fused cross-entropy reads lm_head.weight directly, which ZeRO-3 leaves sharded."""
+    def wrapped(a, f, c):
+        return None if a.plan.deepspeed == "zero3" else action(a, f, c)
+    return wrapped
+
+
 DEEPSPEED_ORDER = [(None, "none"), ("zero2", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "all")]
 
 
@@ -80,9 +87,11 @@ def _deepspeed(stage, offload):
         if not c.hardware.has_gpu or current not in DEEPSPEED_ORDER or \
                 DEEPSPEED_ORDER.index((stage, offload)) <= DEEPSPEED_ORDER.index(current):
             return None
-        return p.replace(deepspeed=stage, offload=offload), (
+        liger = p.liger and stage != "zero3"  # liger's fused cross-entropy cannot read a ZeRO-3-sharded lm_head
+        return p.replace(deepspeed=stage, offload=offload, liger=liger), (
             f"DeepSpeed {stage}" + ("" if offload == "none" else f" with {offload} offload to CPU") +
-            ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)")
+            ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)" +
+            ("; liger off: its fused cross-entropy reads the sharded lm_head weight" if p.liger and not liger else ""))
     return action
 
 
@@ -109,7 +118,8 @@ ACTIONS = {
     "halve_micro_batch": _halve_micro_batch,
     "gradient_checkpointing": _switch("gradient_checkpointing", True,
                                       "gradient checkpointing on: keep only layer inputs, recompute the rest"),
-    "liger": _gpu_only(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes fp32 logits")),
+    "liger": _gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes "
+                                                         "fp32 logits"))),
     "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
     "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
     "eager_attention": _switch("attention", "eager", "eager attention: rules out a fused-kernel numerics problem"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class RecipeInputs:
     save_steps: int = 500
     logging_steps: int = 10
     meta: dict = field(default_factory=dict)
+    llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
 
 
 YAML_11_SPECIAL = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
@@ -94,7 +96,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         files[deepspeed_file] = render_deepspeed(plan)[1]
     recipe_file = f"{inputs.recipe_name}.yaml"
     meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
-            "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf, **inputs.meta}
+            "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf,
+            "launcher": plan.launcher, "llamafactory_version": inputs.llamafactory_version, **inputs.meta}
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
@@ -104,13 +107,33 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
         preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,
         output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
-        save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()})
+        save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
+        ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4")
     files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+    hw = inputs.hardware
     env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
-                   for e in launch_env(plan, offline=inputs.offline)]
+                   for e in launch_env(plan, offline=inputs.offline, master_port=hw.master_port,
+                                       master_addr=hw.master_addr)]
     files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
         lfa_version=__version__, recipe_file=recipe_file, env=env_entries)
+    common = dict(lfa_version=__version__, recipe_file=recipe_file, nodes=hw.nodes, world=plan.world_size,
+                  per_node=plan.world_size // max(1, hw.nodes), master_addr=hw.master_addr or "NODE0_ADDRESS",
+                  master_port=hw.master_port, run_name=inputs.task.name, hosts=list(hw.hosts))
+    if hw.nodes > 1 and plan.launcher == "torchrun":
+        for rank in range(hw.nodes):
+            files[f"launch-node-{rank}.sh"] = env.get_template("launch/node.sh.j2").render(
+                rank=rank, host=hw.hosts[rank] if rank < len(hw.hosts) else None, **common)
+    if hw.has_gpu and plan.world_size > 1 and plan.launcher == "torchrun":
+        files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(
+            cpus=max(1, hw.cpu_cores // max(1, plan.world_size // max(1, hw.nodes))) * common["per_node"], **common)
+    if plan.launcher == "ray" and hw.nodes > 1:
+        files["ray-cluster.sh"] = env.get_template("launch/ray-cluster.sh.j2").render(
+            ray_port=6379, env=[e for e in env_entries if e[0] != "USE_RAY"], **common)
     return files
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def write_recipe_dir(files: dict[str, str], out_dir: Path, force: bool = False) -> list[Path]:

@@ -67,27 +67,24 @@ class RecipeReview:
                 "base": self.base, "diff": None if self.diff is None else [e.to_dict() for e in self.diff]}
 
 
-def key_lines(text: str) -> dict[str, int]:
-    """1-based line of every top-level key."""
+def _top_level_nodes(text: str) -> list[tuple[yaml.Node, yaml.Node]]:
     try:
         node = yaml.compose(text, Loader=LlamaFactoryLoader)
     except yaml.YAMLError:
-        return {}
+        return []
     if not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+        return []
+    return [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """1-based line of every top-level key."""
+    return {k.value: k.start_mark.line + 1 for k, _ in _top_level_nodes(text)}
 
 
 def raw_scalars(text: str) -> dict[str, str]:
     """Top-level keys whose value is a plain (unquoted) scalar, as written."""
-    try:
-        node = yaml.compose(text, Loader=LlamaFactoryLoader)
-    except yaml.YAMLError:
-        return {}
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: v.value for k, v in node.value
-            if isinstance(v, yaml.ScalarNode) and v.style is None and isinstance(k, yaml.ScalarNode)}
+    return {k.value: v.value for k, v in _top_level_nodes(text) if isinstance(v, yaml.ScalarNode) and v.style is None}
 
 
 def _version_matches(installed: str, spec: str) -> bool:
@@ -238,7 +235,10 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
         add("info", "fp16_on_bf16_card", f"fp16 on {gpu.name}, which has bf16 (no loss scaling, no overflow)", "fp16")
     launch = _launch_script(recipe)
     distributed = bool(d.get("deepspeed")) or hardware.world_size > 1
-    if d.get("deepspeed"):
+    if plan.launcher == "ray" and launch is not None and not re.search(r"^export USE_RAY=\"?1\"?", launch, re.M):
+        add("error", "ray_without_use_ray", "the recipe has Ray keys but launch.sh does not export USE_RAY=1: "
+            "LLaMA-Factory would ignore them and train in one process", "ray_num_workers")
+    if d.get("deepspeed") and plan.launcher != "ray":  # Ray workers get their rank/world size from LLaMA-Factory
         if launch is not None and not re.search(r"^export FORCE_TORCHRUN=\"?1\"?", launch, re.M):
             add("error", "deepspeed_without_torchrun", "DeepSpeed is set but launch.sh does not export FORCE_TORCHRUN=1: "
                 "LLaMA-Factory stops with \"Please use `FORCE_TORCHRUN=1` to launch DeepSpeed training.\"", "deepspeed")
@@ -253,6 +253,10 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
         else:
             zero = ds.get("zero_optimization", {})
             offloads = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
+            if int(zero.get("stage", 0)) == 3 and plan.liger:
+                add("error", "liger_with_zero3", "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads "
+                    "lm_head.weight directly, which ZeRO-3 leaves sharded (size mismatch on the first step; "
+                    "huggingface/trl#3368, #5891); turn liger off or use ZeRO-2", "enable_liger_kernel")
             if offloads and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
                 add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
                     "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "

@@ -38,6 +38,9 @@ class TrainRequest:
     json_events: bool = False
     overrides: tuple[str, ...] = ()
     fresh: bool = False  # demo only: start without the previous run's checkpoints
+    node_rank: int | None = None  # multi-node: this node's rank (one supervisor per node)
+    master_addr: str | None = None  # override the profile's rendezvous host
+    master_port: int | None = None
 
 
 def plan_keys(plan: Plan) -> dict:
@@ -85,7 +88,7 @@ def is_complete_checkpoint(path: Path) -> bool:
     return (path / "trainer_state.json").is_file() and weights and optimizer
 
 
-def newest_complete_checkpoint(output_dir: Path) -> Path | None:
+def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | None:
     """The highest-step checkpoint that was fully written; incomplete ones are renamed aside, never deleted,
     so LLaMA-Factory's own auto-resume cannot pick them."""
     found = []
@@ -97,7 +100,7 @@ def newest_complete_checkpoint(output_dir: Path) -> Path | None:
     for step, path in sorted(found, reverse=True):
         if best is None and is_complete_checkpoint(path):
             best = path
-        elif best is None:
+        elif best is None and tidy:
             path.rename(path.with_name(f"incomplete-{path.name}-{int(time.time())}"))
     return best
 
@@ -298,6 +301,11 @@ def supervise(request: TrainRequest) -> int:
         import shutil
         shutil.rmtree(output_dir)
     ledger = Ledger(run_dir, recipe.path)
+    rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
+                                                            ("MASTER_ADDR", request.master_addr),
+                                                            ("MASTER_PORT", request.master_port)) if value is not None}
+    if request.node_rank is not None and not 0 <= request.node_rank < hardware.nodes:
+        raise UserError(f"--node-rank {request.node_rank}: the recipe's hardware has {hardware.nodes} node(s)")
     reporter = Reporter(request.json_events)
     user_keys = {}
     for item in request.overrides:
@@ -334,13 +342,17 @@ def supervise(request: TrainRequest) -> int:
             if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
                 changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
             overrides = {**changes, **user_keys}
-            checkpoint = newest_complete_checkpoint(output_dir) if output_dir.exists() else None
+            # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
+            checkpoint = newest_complete_checkpoint(output_dir, tidy=not request.node_rank) \
+                if output_dir.exists() else None
             if checkpoint:
                 overrides["resume_from_checkpoint"] = str(checkpoint)
-            entries = launch_env(attempt.plan, offline=model_dir.is_dir())
+            entries = launch_env(attempt.plan, offline=model_dir.is_dir(), master_port=hardware.master_port,
+                                 master_addr=hardware.master_addr)
             env = resolve_env(entries)
             env.update(attempt.env)
             env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
+            env.update(rendezvous_env)
             command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()])
             record = {"n": n, "started": dt.datetime.now().isoformat(timespec="seconds"), "plan": attempt.plan.label(),
                       "overrides": overrides, "env": {e.name: env[e.name] for e in entries} | attempt.env,
@@ -431,6 +443,9 @@ def start_detached(request: TrainRequest) -> DetachedRun:
     args = [sys.executable, "-m", "lf_adapter.cli", "train", str(request.recipe.resolve()), "--run-dir", str(run_dir),
             "--name", name, "--max-attempts", str(request.max_attempts)]
     args += ["--allow-hparam-change"] if request.allow_hparam_change else []
+    args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
+    args += ["--master-addr", request.master_addr] if request.master_addr else []
+    args += ["--master-port", str(request.master_port)] if request.master_port else []
     args += [x for s in request.overrides for x in ("--set", s)]
     with (run_dir / "supervisor.log").open("ab") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

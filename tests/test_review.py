@@ -8,6 +8,8 @@ import subprocess
 import pytest
 
 from conftest import REPO, run_lfa
+from lf_adapter.plan import Plan
+from lf_adapter.render import render_deepspeed
 
 LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_config.json (no optimizer section)
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -106,6 +108,12 @@ def _original_on_32g(recipe):  # the paper's bs8 x ga8 without checkpointing on 
     return "per_device_train_batch_size", "error", "memory_over_budget"
 
 
+def _liger_with_zero3(recipe):  # trl#3368 / #5891: liger's fused loss + ZeRO-3 -> size mismatch
+    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, deepspeed="zero3"))[1])
+    _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_zero3.json")
+    return "enable_liger_kernel", "error", "liger_with_zero3"
+
+
 def _space_in_path_with_deepspeed(recipe):  # torchrun's relaunch splits the path
     _deepspeed_without_torchrun(recipe)
     (recipe.parent / "launch.sh").write_text("#!/bin/bash\nexport FORCE_TORCHRUN=1\nexec llamafactory-cli train train.yaml\n")
@@ -125,7 +133,8 @@ def _dataset_typo(recipe):
 
 @pytest.mark.parametrize("mistake", [_seed_bf16, _deepspeed_without_torchrun, _stock_offload_config, _exponent_float,
                                      _save_strategy_no, _typo, _ray_key_from_094, _transformers4_key, _seed_fix_batch,
-                                     _original_on_32g, _space_in_path_with_deepspeed, _template_typo, _dataset_typo],
+                                     _original_on_32g, _space_in_path_with_deepspeed, _template_typo, _dataset_typo,
+                                     _liger_with_zero3],
                          ids=lambda f: f.__name__.strip("_"))
 def test_each_real_mistake_gets_its_finding_at_its_line(clean_recipe, mistake):
     key, severity, rule = mistake(clean_recipe)

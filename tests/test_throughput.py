@@ -108,3 +108,20 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
     none = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--model", "Qwen/Qwen2.5-Coder-0.5B",
                    "--pin", "deepspeed=zero2", "-o", tmp_path / "none")
     assert none.returncode == 2 and "matches the pinned fields" in none.stderr
+
+
+def test_liger_never_meets_zero3_in_plans_or_retries():
+    # liger's fused cross-entropy reads lm_head.weight directly; ZeRO-3 leaves it sharded (huggingface/trl#3368)
+    from lf_adapter.monitor import classify
+    from lf_adapter.remedies import Attempt, Context, next_remedy
+
+    for profile in ("a100-80g", "dgx-h100-80g", "a40x4", "cluster-2x8-h100"):
+        result = plan(load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile(profile), 64, 2048)
+        for candidate in [result.chosen] + result.runners_up + result.rejected:
+            assert not (candidate.plan.liger and candidate.plan.deepspeed == "zero3"), candidate.plan.label()
+    oom = classify(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."], 1)
+    attempt, tried = Attempt(Plan("bf16", 1, 16, world_size=4, liger=True, deepspeed="zero2", offload="optimizer")), set()
+    while (remedy := next_remedy(attempt, oom, Context(load_profile("a40x4")), tried)) is not None:
+        attempt = remedy.attempt
+        assert not (attempt.plan.liger and attempt.plan.deepspeed == "zero3"), remedy.why
+    assert attempt.plan.deepspeed == "zero3" and not attempt.plan.liger

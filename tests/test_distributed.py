@@ -1,0 +1,102 @@
+"""Beyond one process, on the CPU with the real llamafactory-cli: torchrun with 2 gloo processes, and 2 "nodes" on
+localhost (one `lfa train --node-rank` supervisor each); plus what lfa renders for a cluster and for Ray."""
+import socket
+import subprocess
+import sys
+
+import yaml
+
+from conftest import REPO, run_lfa
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _profile(tmp_path, **fields):
+    path = tmp_path / f"{fields['name']}.yaml"
+    path.write_text(yaml.safe_dump({"cpu_cores": 2, "ram_gib": 16, **fields}))
+    return path
+
+
+def _generate(demo_assets, out, hardware, *extra):
+    model, data = demo_assets
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", hardware,
+                     "--set", "effective_batch_size=8", "--set", "cutoff_len=256", "--set", "learning_rate=1.0e-3",
+                     "--set", "max_steps=3", *extra, "-o", out)
+    assert result.returncode == 0, result.stderr
+    return out / "train.yaml"
+
+
+def test_torchrun_with_two_gloo_processes(demo_assets, tmp_path):
+    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2))
+    launch = (recipe.parent / "launch.sh").read_text()
+    assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="2"' in launch
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", env={"MASTER_PORT": str(_free_port())})
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "run" / "attempt-1.log").read_text()
+    for rank in (0, 1):
+        assert f"Process rank: {rank}, world size: 2, device: cpu" in log
+    begin = next(l for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines() if "train_begin" in l)
+    assert '"world_size": 2' in begin
+
+
+def test_two_nodes_on_localhost_each_with_its_own_supervisor(demo_assets, tmp_path):
+    profile = _profile(tmp_path, name="two-nodes", nodes=2, processes_per_node=1, master_addr="127.0.0.1",
+                       master_port=_free_port())
+    recipe = _generate(demo_assets, tmp_path / "r", profile)
+    assert "export NODE_RANK=1" in (recipe.parent / "launch-node-1.sh").read_text()
+    env = {"DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
+    import os
+
+    nodes = [subprocess.Popen([sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--node-rank", str(rank),
+                               "--run-dir", str(tmp_path / f"node{rank}")], cwd=REPO, env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    for rank in (0, 1):
+        log = (tmp_path / f"node{rank}" / "attempt-1.log").read_text()
+        assert f"Multi-node training enabled: num nodes: 2, node rank: {rank}" in log
+        assert f"Process rank: {rank}, world size: 2" in log
+    bad = run_lfa("train", recipe, "--node-rank", "2", "--run-dir", tmp_path / "bad")
+    assert bad.returncode == 2 and "has 2 node(s)" in bad.stderr
+
+
+def test_cluster_profile_renders_per_node_scripts_sbatch_and_a_fixed_rendezvous(tmp_path):
+    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "-o", tmp_path / "c")
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "c"
+    data = yaml.safe_load((folder / "train.yaml").read_text())
+    assert data["per_device_train_batch_size"] * data["gradient_accumulation_steps"] * 16 == 64
+    launch = (folder / "launch.sh").read_text()
+    assert 'NNODES="2"' in launch and 'NPROC_PER_NODE="8"' in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+    assert "MASTER_ADDR=${MASTER_ADDR:-gpu-node-0}" in launch
+    node1 = (folder / "launch-node-1.sh").read_text()
+    assert "export NODE_RANK=1" in node1 and "gpu-node-1" in node1 and "--node-rank 1" in node1
+    sbatch = (folder / "sbatch.sh").read_text()
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and '--node-rank "$SLURM_NODEID"' in sbatch
+
+
+def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
+    new = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
+                  "-o", tmp_path / "ray095")
+    old = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
+                  "--llamafactory-version", "0.9.4", "-o", tmp_path / "ray094")
+    assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
+    r095 = yaml.safe_load((tmp_path / "ray095" / "train.yaml").read_text())
+    r094 = yaml.safe_load((tmp_path / "ray094" / "train.yaml").read_text())
+    assert r095["ray_num_workers"] == 16 and r095["ray_init_kwargs"] == {"address": "auto"} and "ray_run_name" not in r095
+    assert r094["ray_num_workers"] == 16 and r094["resources_per_worker"] == {"GPU": 1} and "ray_run_name" in r094
+    launch = (tmp_path / "ray095" / "launch.sh").read_text()
+    assert 'USE_RAY="1"' in launch and "FORCE_TORCHRUN" not in launch
+    assert "ray start --head" in (tmp_path / "ray095" / "ray-cluster.sh").read_text()
+    # the 0.9.4 recipe under the installed 0.9.5: review names the keys that changed
+    review = run_lfa("review", tmp_path / "ray094" / "train.yaml", "--format", "json")
+    import json
+
+    rules = {(f["rule"], f["line"] > 1) for f in json.loads(review.stdout)[0]["findings"]}
+    assert ("version_dependent_key", True) in rules and review.returncode == 1
+    single = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--launcher", "ray", "-o", tmp_path / "x")
+    assert single.returncode == 2 and "one process needs no launcher" in single.stderr
