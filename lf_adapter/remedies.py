@@ -37,6 +37,7 @@ class Context:
     learning_rate: float | None = None
     hub_mirror: str | None = None
     model_cached: bool = False
+    scheduler_kwargs: dict | None = None  # the recipe's lr_scheduler_kwargs
 
 
 def _fragmentation(a, f, c):
@@ -151,6 +152,16 @@ def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | No
         return dataclasses.replace(a, own_deepspeed_config=True), (
             "the DeepSpeed config offloads without naming an optimizer: use lfa's config for the same plan "
             "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)")
+    if action == "min_lr_rate":
+        kwargs = dict(a.keys.get("lr_scheduler_kwargs") or c.scheduler_kwargs or {})
+        lr = a.keys.get("learning_rate", c.learning_rate)
+        if "min_lr" not in kwargs or not lr:
+            return None
+        min_lr = float(kwargs.pop("min_lr"))
+        kwargs["min_lr_rate"] = round(min_lr / lr, 10)
+        return dataclasses.replace(a, keys={**a.keys, "lr_scheduler_kwargs": kwargs}), (
+            f"min_lr {min_lr:.1e} as min_lr_rate {kwargs['min_lr_rate']} (the same schedule): an absolute min_lr makes "
+            "transformers read optimizer.defaults, which DeepSpeed ZeRO-3's optimizer lacks")
     if action == "resume_as_is":
         return a, "transient collective timeout: resume from the last checkpoint unchanged"
     if action == "fewer_checkpoints":

@@ -66,6 +66,8 @@ def yaml_scalar(value) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return yaml_float(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)  # a YAML flow collection, also as a `key=value` override
     text = str(value)
     if isinstance(value, str) and (text.lower() in YAML_11_SPECIAL or text != text.strip() or text == ""):
         return json.dumps(text)  # "no" would be read back as false by PyYAML

@@ -253,6 +253,11 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
         else:
             zero = ds.get("zero_optimization", {})
             offloads = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
+            kwargs = d.get("lr_scheduler_kwargs")
+            if int(zero.get("stage", 0)) == 3 and isinstance(kwargs, dict) and "min_lr" in kwargs:
+                add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
+                    "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
+                    "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
             if int(zero.get("stage", 0)) == 3 and plan.liger:
                 add("error", "liger_with_zero3", "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads "
                     "lm_head.weight directly, which ZeRO-3 leaves sharded (size mismatch on the first step; "

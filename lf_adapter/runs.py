@@ -278,11 +278,18 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
 def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
     lines = recipe.text.splitlines()
     remaining = dict(changes)
+    replacing_block = False
     for i, line in enumerate(lines):
+        if replacing_block and (line.startswith((" ", "\t")) or not line.strip()):
+            lines[i] = None  # the replaced key's old nested value
+            continue
+        replacing_block = False
         match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):(\s.*)?$", line)
         if match and match.group(1) in remaining:
             key = match.group(1)
             lines[i] = f"{key}: {_scalar(remaining.pop(key))}  # lfa train: changed"
+            replacing_block = not (match.group(2) or "").split("#")[0].strip()
+    lines = [line for line in lines if line is not None]
     header = ["# lfa train resolved this recipe; what changed and why:"] + [f"#   {note}" for note in notes]
     extra = [f"{key}: {_scalar(value)}  # lfa train: added" for key, value in remaining.items()]
     return "\n".join(header + lines + extra) + "\n"
@@ -317,7 +324,8 @@ def supervise(request: TrainRequest) -> int:
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
     context = Context(hardware=hardware, allow_hparam_change=request.allow_hparam_change,
                       learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
-                      model_cached=model_dir.is_dir())
+                      model_cached=model_dir.is_dir(), scheduler_kwargs=recipe.data.get("lr_scheduler_kwargs")
+                      if isinstance(recipe.data.get("lr_scheduler_kwargs"), dict) else None)
     attempt = Attempt(plan_from_recipe(recipe, hardware))
     base_plan_keys = plan_keys(attempt.plan)
     notes: list[str] = []

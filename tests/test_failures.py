@@ -23,6 +23,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "failures"
     ("config_template.log", "config_error", False),
     # reconstructed from DeepSpeed 0.19.8's message (runtime/engine.py:2345) inside an LF 0.9.5 torchrun traceback
     ("deepspeed_offload_client_optimizer.log", "deepspeed_offload_optimizer", True),
+    # captured on the H200: LLaMA-Factory 0.9.5 + DeepSpeed 0.19.8, ZeRO-3, cosine_with_min_lr with min_lr
+    ("zero3_min_lr_scheduler_h200.log", "scheduler_min_lr_zero3", True),
 ])
 def test_real_error_texts_are_classified(fixture, kind, retriable):
     failure = classify((FIXTURES / fixture).read_text().splitlines(), 1)
@@ -91,3 +93,19 @@ def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_u
     name = write_deepspeed_config(tmp_path, remedy.attempt.plan)
     assert name == "ds_zero2_offload_optimizer.lfa.json" and users.read_text() == '{"zero_optimization": {"stage": 2}}'
     assert '"optimizer"' in (tmp_path / name).read_text()
+
+
+def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
+    import yaml
+
+    from lf_adapter.recipe_file import load_recipe
+    from lf_adapter.runs import _resolved_text
+
+    failure = classify((FIXTURES / "zero3_min_lr_scheduler_h200.log").read_text().splitlines(), 1)
+    context = Context(load_profile("h200"), learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
+    remedy = next_remedy(Attempt(Plan("bf16", 16, 4, deepspeed="zero3")), failure, context, set())
+    assert remedy.action == "min_lr_rate" and remedy.attempt.keys["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+    recipe_file = tmp_path / "train.yaml"
+    recipe_file.write_text("learning_rate: 3.0e-6\nlr_scheduler_kwargs:\n  min_lr: 3.0e-7\nwarmup_ratio: 0.02\n")
+    resolved = yaml.safe_load(_resolved_text(load_recipe(recipe_file), remedy.attempt.keys, [remedy.why]))
+    assert resolved == {"learning_rate": 3e-6, "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "warmup_ratio": 0.02}

@@ -58,7 +58,7 @@ def test_generated_recipe_is_valid_yaml_with_real_floats_and_comments(tmp_path):
     text = (tmp_path / "r" / "train.yaml").read_text()
     data = yaml.safe_load(text)
     assert isinstance(data["learning_rate"], float) and data["learning_rate"] == 3.0e-6
-    assert data["lr_scheduler_kwargs"]["min_lr"] == 3.0e-7
+    assert data["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}  # the paper's min_lr 3.0e-7 over lr 3.0e-6
     assert data["template"] == "sk2decompile" and data["bf16"] is True
     assert data["per_device_train_batch_size"] * data["gradient_accumulation_steps"] * 8 == 64
     assert "# precision:" in text and "# batch:" in text

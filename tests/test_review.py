@@ -114,6 +114,13 @@ def _liger_with_zero3(recipe):  # trl#3368 / #5891: liger's fused loss + ZeRO-3 
     return "enable_liger_kernel", "error", "liger_with_zero3"
 
 
+def _zero3_with_min_lr(recipe):  # seen on the H200: optimizer.defaults is missing under ZeRO-3
+    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, deepspeed="zero3"))[1])
+    _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_zero3.json")
+    _edit(recipe, r"^  min_lr_rate: .*", "  min_lr: 3.0e-7")
+    return "lr_scheduler_kwargs", "error", "zero3_min_lr"
+
+
 def _space_in_path_with_deepspeed(recipe):  # torchrun's relaunch splits the path
     _deepspeed_without_torchrun(recipe)
     (recipe.parent / "launch.sh").write_text("#!/bin/bash\nexport FORCE_TORCHRUN=1\nexec llamafactory-cli train train.yaml\n")
@@ -134,7 +141,7 @@ def _dataset_typo(recipe):
 @pytest.mark.parametrize("mistake", [_seed_bf16, _deepspeed_without_torchrun, _stock_offload_config, _exponent_float,
                                      _save_strategy_no, _typo, _ray_key_from_094, _transformers4_key, _seed_fix_batch,
                                      _original_on_32g, _space_in_path_with_deepspeed, _template_typo, _dataset_typo,
-                                     _liger_with_zero3],
+                                     _liger_with_zero3, _zero3_with_min_lr],
                          ids=lambda f: f.__name__.strip("_"))
 def test_each_real_mistake_gets_its_finding_at_its_line(clean_recipe, mistake):
     key, severity, rule = mistake(clean_recipe)
