@@ -127,6 +127,21 @@ class FileFollower:
         return data
 
 
+def fold_event(state: dict, event: dict) -> None:
+    """Fold one lfa plugin event (events.jsonl) into a progress state: step and total, tokens/s (smoothed over
+    steps), loss, torch's peak reserved memory."""
+    if event.get("event") == "step":
+        state["step"], state["total"] = event.get("global_step"), event.get("max_steps")
+        if event.get("step_tokens") and event.get("step_time_s"):
+            rate = event["step_tokens"] / event["step_time_s"]
+            previous = state.get("tokens_per_s")
+            state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate
+    if event.get("event") == "log" and "loss" in event:
+        state["loss"] = event["loss"]
+    if "gpu_reserved_gib" in event:
+        state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
+
+
 def _finite(value) -> bool:
     return not isinstance(value, (int, float)) or math.isfinite(value)
 

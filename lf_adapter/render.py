@@ -126,8 +126,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
             files[f"launch-node-{rank}.sh"] = env.get_template("launch/node.sh.j2").render(
                 rank=rank, host=hw.hosts[rank] if rank < len(hw.hosts) else None, **common)
     if hw.has_gpu and plan.world_size > 1 and plan.launcher == "torchrun":
-        files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(
-            cpus=max(1, hw.cpu_cores // max(1, plan.world_size // max(1, hw.nodes))) * common["per_node"], **common)
+        files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(cpus=hw.cpu_cores, **common)
     if plan.launcher == "ray" and hw.nodes > 1:
         files["ray-cluster.sh"] = env.get_template("launch/ray-cluster.sh.j2").render(
             ray_port=6379, env=[e for e in env_entries if e[0] != "USE_RAY"], **common)

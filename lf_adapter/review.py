@@ -184,6 +184,7 @@ def _llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Findin
         return [Finding("info", "llamafactory_missing", "LLaMA-Factory is not importable here: only lfa's rules ran "
                         "(pip install 'lf-adapter[train]')", path)]
     findings = []
+    written = raw_scalars(recipe.text)
     for key, value in recipe.data.items():
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.75)
@@ -191,7 +192,7 @@ def _llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Findin
             findings.append(Finding("error", "unknown_key", f"`{key}` is not a LLaMA-Factory argument{hint}",
                                     path, lines.get(key, 1)))
         elif isinstance(value, bool) and not _accepts(fields[key], value):
-            findings.append(Finding("error", "yaml_boolean", f"`{key}: {raw_scalars(recipe.text).get(key, value)}` "
+            findings.append(Finding("error", "yaml_boolean", f"`{key}: {written.get(key, value)}` "
                                     f"is read as the boolean {str(value).lower()} (YAML 1.1), but {key} takes a "
                                     f"string: quote it, e.g. {key}: \"no\"", path, lines.get(key, 1)))
         elif not _accepts(fields[key], value):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import UserError
-from .monitor import FileFollower
+from .monitor import FileFollower, fold_event
 
 FINAL = {"succeeded", "failed", "stopped"}
 
@@ -101,18 +101,12 @@ def _last_events(run_dir: Path) -> dict:
     state: dict = {}
     for line in lines:
         try:
-            event = json.loads(line)
+            fold_event(state, json.loads(line))
         except json.JSONDecodeError:
             continue
-        if event.get("event") == "step":
-            state["step"], state["total_steps"] = event.get("global_step"), event.get("max_steps")
-            if event.get("step_tokens") and event.get("step_time_s"):
-                state["tokens_per_s"] = round(event["step_tokens"] / event["step_time_s"])
-        if event.get("event") == "log" and "loss" in event:
-            state["loss"] = event["loss"]
-        if "gpu_reserved_gib" in event:
-            state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
-    return state
+    return {"step": state.get("step"), "total_steps": state.get("total"), "loss": state.get("loss"),
+            "gpu_reserved_gib": state.get("gpu_reserved_gib"),
+            "tokens_per_s": round(state["tokens_per_s"]) if state.get("tokens_per_s") else None}
 
 
 def run_status(run_dir: Path) -> RunStatus:

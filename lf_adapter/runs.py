@@ -18,7 +18,7 @@ import click
 from . import UserError
 from .hardware import GpuMemoryProbe
 from .launch import launch_env, llamafactory_command, resolve_env, start, stop_group
-from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify
+from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, fold_event
 from .plan import Plan
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
@@ -195,14 +195,7 @@ def _read_events(events_follower: FileFollower, reader: LineReader, state: dict)
         except json.JSONDecodeError:
             continue
         changed = True
-        if event.get("event") == "step":
-            state["step"], state["total"] = event.get("global_step"), event.get("max_steps")
-            if event.get("step_tokens") and event.get("step_time_s"):
-                rate = event["step_tokens"] / event["step_time_s"]
-                previous = state.get("tokens_per_s")
-                state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate  # smoothed
-        if "gpu_reserved_gib" in event:
-            state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
+        fold_event(state, event)
     return changed
 
 
