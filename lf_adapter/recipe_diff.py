@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .recipe_file import Recipe
+from .recipe_file import Recipe, truthy
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",
@@ -32,16 +32,12 @@ class DiffEntry:
         return {"group": self.group, "key": self.key, "old": self.old, "new": self.new}
 
 
-def _truthy(value) -> bool:
-    return value is True or str(value).lower() in ("true", "1", "yes")
-
-
 def semantic_view(recipe: Recipe) -> dict:
     """The recipe's keys plus derived values a reviewer cares about: precision, effective batch, DeepSpeed stage."""
     data = dict(recipe.data)
     world = int((recipe.meta.get("hardware") or {}).get("gpus_per_node", 1) or 1) * \
         int((recipe.meta.get("hardware") or {}).get("nodes", 1) or 1)
-    data["precision"] = "bf16" if _truthy(data.pop("bf16", False)) else "fp16" if _truthy(data.pop("fp16", False)) else "fp32"
+    data["precision"] = "bf16" if truthy(data.pop("bf16", False)) else "fp16" if truthy(data.pop("fp16", False)) else "fp32"
     data["world_size"] = world
     data["effective_batch_size"] = int(data.get("per_device_train_batch_size", 1)) * \
         int(data.get("gradient_accumulation_steps", 1)) * world

@@ -75,13 +75,14 @@ def recipe_hardware(recipe: Recipe, override: str | None = None) -> HardwareProf
     return load_profile("detect")
 
 
-def _truthy(value) -> bool:
+def truthy(value) -> bool:
+    """A recipe flag as LLaMA-Factory reads it: true, 'true', '1' or 'yes'."""
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
     d = recipe.data
-    precision = "bf16" if _truthy(d.get("bf16")) else "fp16" if _truthy(d.get("fp16")) else "fp32"
+    precision = "bf16" if truthy(d.get("bf16")) else "fp16" if truthy(d.get("fp16")) else "fp32"
     deepspeed, offload = None, "none"
     if d.get("deepspeed"):
         ds_path = (recipe.folder / str(d["deepspeed"]))
@@ -101,11 +102,11 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
         micro_batch_size=int(d.get("per_device_train_batch_size", 1)),
         grad_accum=int(d.get("gradient_accumulation_steps", 1)),
         world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
-        gradient_checkpointing=not _truthy(d.get("disable_gradient_checkpointing", False)),
-        liger=_truthy(d.get("enable_liger_kernel", False)),
+        gradient_checkpointing=not truthy(d.get("disable_gradient_checkpointing", False)),
+        liger=truthy(d.get("enable_liger_kernel", False)),
         attention=str(d.get("flash_attn", "auto")),
         deepspeed=deepspeed, offload=offload,
-        packing=_truthy(d.get("packing", False)) or _truthy(d.get("neat_packing", False)),
+        packing=truthy(d.get("packing", False)) or truthy(d.get("neat_packing", False)),
         sorted_steps=bool(recipe.meta.get("sorted_steps", False)),
         alloc_conf=recipe.meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in d or recipe.meta.get("launcher") == "ray" else "torchrun",
