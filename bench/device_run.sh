@@ -13,6 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,nohe
 cmd=$1; shift
 if [ "$cmd" = calibrate ]; then
   [ -f $W/model_350m/config.json ] || python3 bench/make_assets.py $W 350m 2>&1 | grep -v Warning
+  case " $* " in *6.7b*) [ -f $W/model_6.7b/config.json ] || python3 bench/make_assets.py $W 6.7b 2>&1 | grep -v Warning;; esac
   python3 bench/calibrate.py $W $OUT/calibration.json "$@" 2>&1 | grep -E "CALIB|Traceback|Error" | tee $OUT/calibrate.txt
 fi
 if [ "$cmd" = seed ]; then

@@ -17,7 +17,8 @@ from lf_adapter.plan import Plan  # noqa: E402
 from lf_adapter.planner import predict_tokens_per_s  # noqa: E402
 
 MEAN_FRACTION = 1475 / 2048
-PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200"}
+PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200",
+           "h200_zero3": "h200", "h200_zero3_offload": "h200"}
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
@@ -26,18 +27,12 @@ def plan_of(label: str, row: dict) -> Plan | None:
     text = row.get("plan")
     if not text or not row.get("steady_tokens_per_s"):
         return None
-    parts = text.split("/")
-    mbs, rest = parts[1][3:].split("xga")
-    ga, world = rest.split("x")
-    ds = next((p for p in parts if p.startswith("zero")), None)
-    return Plan(parts[0], int(mbs), int(ga), int(world), gradient_checkpointing="gc" in parts, liger="liger" in parts,
-                attention="sdpa", deepspeed=ds.split("-")[0] if ds else None,
-                offload="optimizer" if ds and "offload-optimizer" in ds else "none",
-                packing="packing" in parts, sorted_steps="sorted" in parts)
+    return Plan.from_label(text)
 
 
 def main() -> None:
-    runs = sys.argv[1:] or sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json"))
+    runs = sys.argv[1:] or [*sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
+                            "bench/results/h200_session10/seed_deepspeed.json"]
     spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
     worst = 0.0
     print(f"{'run':28s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")

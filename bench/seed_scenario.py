@@ -19,7 +19,7 @@ Runs (pick with --only a,b):
   capped_packing  --allow-packing
   v100_golden     lfa's plan for a real V100 (compute-bound: mbs1, no checkpointing), run on the capped H200
   h200, h200_packing           lfa's plans for the whole H200 (uncapped): MFU
-  h200_zero2_offload, h200_zero3  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the h200 plan
+  h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the h200 plan
 
 usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix]
 """
@@ -56,6 +56,7 @@ GENERATED = {
     "h200_packing": ("h200", ["--allow-packing"], [], False),
     "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
+    "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
 }
 
 

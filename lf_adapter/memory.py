@@ -85,7 +85,8 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     act = c["activation"]
     tokens = plan.micro_batch_size * seq_len
     h, L = model.hidden_size, model.num_layers
-    per_layer = act["liger" if plan.liger else "eager"]
+    # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
+    per_layer = act[("deepspeed_" if plan.deepspeed else "") + ("liger" if plan.liger else "eager")]
     per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
@@ -116,7 +117,9 @@ def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
     allocated = max(sum(items.values()), 16.0 * model.num_params / GIB if plan.deepspeed is None else 0.0)
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
-        reserved = allocated + c["fixed_overhead_gib"]  # expandable segments leave almost no fragmentation
+        # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
+        logits_fp32 = 0.0 if plan.liger else 4.0 * plan.micro_batch_size * seq_len * model.vocab_size / GIB
+        reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * logits_fp32
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB,
                            budget_gib=budget, headroom=headroom)

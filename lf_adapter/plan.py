@@ -31,6 +31,20 @@ class Plan:
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_label(cls, label: str, **fields) -> "Plan":
+        """Read back label()'s fields: 'bf16/mbs16xga4x1/nogc/sdpa/zero3-offload-all/sorted' (bench tables)."""
+        parts = label.split("/")
+        mbs, rest = parts[1][len("mbs"):].split("xga")
+        ga, world = rest.split("x")
+        stage = next((p for p in parts if p.startswith("zero")), "")
+        deepspeed, _, offload = stage.partition("-offload-")
+        attention = next((p for p in parts if p in ("sdpa", "fa2", "eager", "auto")), "sdpa")
+        return cls(precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
+                   gradient_checkpointing=parts[2] == "gc", liger="liger" in parts, attention=attention,
+                   deepspeed=deepspeed or None, offload=offload or "none", packing="packing" in parts,
+                   sorted_steps="sorted" in parts, launcher="ray" if "ray" in parts else "torchrun", **fields)
+
     def label(self) -> str:
         parts = [self.precision, f"mbs{self.micro_batch_size}xga{self.grad_accum}x{self.world_size}",
                  "gc" if self.gradient_checkpointing else "nogc"]

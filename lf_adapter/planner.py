@@ -87,14 +87,18 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
         rate *= t["variable_shape_efficiency"]
     if plan.gradient_checkpointing:
         rate *= t["checkpointing_gpu_efficiency"]
+    if not plan.liger and plan.precision != "fp32":
+        rate *= t["no_liger_gpu_efficiency"]
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
     cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"]
                                                           if plan.gradient_checkpointing else 1.0)
     zero3_fetch_s = 0.0  # ZeRO-3 gathers every layer's 16-bit parameters for the forward and again for the backward
+    if plan.deepspeed == "zero3":  # its per-module hooks cost time even when there is nothing to gather
+        zero3_fetch_s += t["zero3_hook_s_per_layer"] * model.num_layers
     if plan.deepspeed == "zero3" and plan.offload == "all":
-        zero3_fetch_s = 2 * 2.0 * model.num_params / t["pcie_bytes_per_s"]
+        zero3_fetch_s += 2 * 2.0 * model.num_params / t["pcie_bytes_per_s"]
     elif plan.deepspeed == "zero3" and plan.world_size > 1:
-        zero3_fetch_s = 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
+        zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
     partition = model.num_params / (plan.world_size if plan.deepspeed else 1)
     step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)

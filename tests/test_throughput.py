@@ -125,3 +125,29 @@ def test_liger_never_meets_zero3_in_plans_or_retries():
         attempt = remedy.attempt
         assert not (attempt.plan.liger and attempt.plan.deepspeed == "zero3"), remedy.why
     assert attempt.plan.deepspeed == "zero3" and not attempt.plan.liger
+
+
+@pytest.mark.parametrize("plan_", [
+    Plan("bf16", 16, 4, gradient_checkpointing=False, liger=True, sorted_steps=True),
+    Plan("fp16", 8, 8, world_size=4, deepspeed="zero2", offload="optimizer", packing=True),
+    Plan("bf16", 64, 1, deepspeed="zero3", offload="all", attention="eager", launcher="ray"),
+])
+def test_a_plan_label_reads_back_into_the_same_plan(plan_):
+    # the bench tables store plans as labels; calibration_table.py and model_check.py rebuild the plans from them
+    assert Plan.from_label(plan_.label()) == plan_
+
+
+def test_one_gpu_deepspeed_costs_what_the_h200_measured():
+    # bench/README.md: one H200, 1.3B, same run: no DeepSpeed 43.7k tok/s, ZeRO-3 26.9k, ZeRO-3 full offload 19.6k;
+    # 87.4 / 103.3 / 71.9 GiB reserved. The planner must rank them that way and size them near the measurements.
+    from lf_adapter.memory import estimate
+    from lf_adapter.planner import predict_tokens_per_s
+    spec, h200 = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200")
+    labels = ["bf16/mbs16xga4x1/nogc/liger/sdpa/sorted", "bf16/mbs16xga4x1/nogc/sdpa/zero3/sorted",
+              "bf16/mbs64xga1x1/gc/sdpa/zero3-offload-all/sorted"]
+    plans = [Plan.from_label(label, alloc_conf="expandable_segments:True") for label in labels]
+    speed = [predict_tokens_per_s(spec, p, h200, 2048, 1475 / 2048) for p in plans]
+    assert speed[0] > speed[1] > speed[2]
+    reserved = [estimate(spec, p, 2048, h200.gpu.vram_gib).reserved_gib for p in plans]
+    for predicted, measured in zip(reserved, [87.41, 103.29, 71.88]):
+        assert abs(predicted / measured - 1) < 0.10
