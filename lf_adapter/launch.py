@@ -74,6 +74,17 @@ def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) ->
     return env
 
 
+def ray_node_address() -> str | None:
+    """The address Ray registers this node under, or None without Ray. LLaMA-Factory 0.9.5 without a master_addr
+    asks Ray's dashboard for the head's address (needs ray[default] and a running dashboard); with one, it only
+    checks the address against ray.nodes(). `lfa train` runs on the head, so this node's address is the head's."""
+    try:
+        from ray.util import get_node_ip_address
+    except ImportError:
+        return None
+    return get_node_ip_address()
+
+
 def llamafactory_command(recipe: Path, overrides: list[str]) -> list[str]:
     cli = Path(sys.executable).with_name("llamafactory-cli")
     program = [str(cli)] if cli.exists() else ["llamafactory-cli"]

@@ -31,6 +31,7 @@ class FailureClass:
     retriable: bool
     patterns: tuple[re.Pattern, ...]
     ladder: tuple[str, ...]
+    advice: str = ""  # what to do, for classes no retry can fix
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Failure:
 def failure_classes() -> tuple[FailureClass, ...]:
     data = yaml.safe_load((templates_dir() / "failures" / "classes.yaml").read_text())
     return tuple(FailureClass(d["name"], bool(d["retriable"]), tuple(re.compile(p, re.M) for p in d["patterns"]),
-                              tuple(d["ladder"])) for d in data)
+                              tuple(d["ladder"]), d.get("advice", "")) for d in data)
 
 
 def failure_class(name: str) -> FailureClass:

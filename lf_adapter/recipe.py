@@ -141,6 +141,10 @@ def generate(request: GenerateRequest) -> Generated:
     fixed.update(parse_pins(request.pins))
     if request.launcher == "ray" and hardware.world_size == 1:
         raise UserError("--launcher ray needs several GPUs or nodes: one process needs no launcher")
+    if request.launcher == "ray" and not hardware.has_gpu:
+        raise UserError("--launcher ray needs GPUs: LLaMA-Factory's Ray path counts every CPU of a CPU-only machine "
+                        "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
+                        "--launcher torchrun")
     options = PlanOptions(allow_packing=request.allow_packing, sort_steps=request.sort_steps, liger_available=liger_ok,
                           launcher=request.launcher,
                           flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,

@@ -110,7 +110,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,
         output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
         save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
-        ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4")
+        ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
+        ray_logical_cpus=ray_logical_cpus(inputs.hardware))
     files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
     hw = inputs.hardware
     env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
@@ -129,8 +130,16 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(cpus=hw.cpu_cores, **common)
     if plan.launcher == "ray" and hw.nodes > 1:
         files["ray-cluster.sh"] = env.get_template("launch/ray-cluster.sh.j2").render(
-            ray_port=6379, env=[e for e in env_entries if e[0] != "USE_RAY"], **common)
+            ray_port=6379, ray_logical_cpus=ray_logical_cpus(hw), env=[e for e in env_entries if e[0] != "USE_RAY"],
+            **common)
     return files
+
+
+def ray_logical_cpus(hw) -> int:
+    """CPUs a node must declare to Ray: LLaMA-Factory 0.9.5 places one {CPU: 10, GPU: 1} bundle per GPU of the
+    cluster (trainer_utils.get_placement_group) and waits forever when a node has fewer than 10 CPUs per GPU.
+    Ray CPUs are logical, so declaring more than the cores only affects Ray's bookkeeping."""
+    return max(hw.cpu_cores, 10 * hw.gpus_per_node)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -17,14 +17,15 @@ import click
 
 from . import UserError
 from .hardware import GpuMemoryProbe
-from .launch import launch_env, llamafactory_command, resolve_env, start, stop_group
-from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, fold_event
+from .launch import launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group
+from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
 from .plan import Plan
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
 from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
 
-LIVE_FATAL = {"cuda_oom", "nccl_timeout"}  # stop the trainer at the first line: it cannot recover by itself
+# stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
+LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
 POLL_S = 0.1
 
 
@@ -320,6 +321,14 @@ def supervise(request: TrainRequest) -> int:
                       model_cached=model_dir.is_dir(), scheduler_kwargs=recipe.data.get("lr_scheduler_kwargs")
                       if isinstance(recipe.data.get("lr_scheduler_kwargs"), dict) else None)
     attempt = Attempt(plan_from_recipe(recipe, hardware))
+    launch_keys = {}
+    if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
+            and "master_addr" not in recipe.data and "master_addr" not in user_keys:
+        address = ray_node_address()
+        if address is None:
+            raise UserError(f"{recipe.path} trains through Ray (USE_RAY=1) but ray is not installed here: "
+                            "pip install ray")
+        launch_keys["master_addr"] = address
     base_plan_keys = plan_keys(attempt.plan)
     notes: list[str] = []
     tried: set[str] = set()
@@ -342,7 +351,7 @@ def supervise(request: TrainRequest) -> int:
             changes = key_changes(recipe, attempt, base_plan_keys)
             if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
                 changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
-            overrides = {**changes, **user_keys}
+            overrides = {**changes, **launch_keys, **user_keys}
             # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
             checkpoint = newest_complete_checkpoint(output_dir, tidy=not request.node_rank) \
                 if output_dir.exists() else None
@@ -395,8 +404,9 @@ def supervise(request: TrainRequest) -> int:
             if not failure.retriable:
                 ledger.data["status"] = "failed"
                 ledger.save()
-                reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {run_dir / result['log']}",
-                               kind=failure.kind)
+                advice = next((c.advice for c in failure_classes() if c.name == failure.kind), "")
+                reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {run_dir / result['log']}"
+                               + (f"\n{advice}" if advice else ""), kind=failure.kind)
                 return 1
             remedy = next_remedy(attempt, failure, context, tried)
             if remedy is None:

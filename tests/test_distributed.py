@@ -1,5 +1,6 @@
 """Beyond one process, on the CPU with the real llamafactory-cli: torchrun with 2 gloo processes, and 2 "nodes" on
 localhost (one `lfa train --node-rank` supervisor each); plus what lfa renders for a cluster and for Ray."""
+import json
 import socket
 import subprocess
 import sys
@@ -100,3 +101,24 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     assert ("version_dependent_key", True) in rules and review.returncode == 1
     single = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--launcher", "ray", "-o", tmp_path / "x")
     assert single.returncode == 2 and "one process needs no launcher" in single.stderr
+
+
+def test_a_ray_job_that_ray_cannot_place_is_stopped_with_advice_not_left_waiting(demo_assets, tmp_path):
+    # LLaMA-Factory 0.9.5 reserves {CPU: 10} per device and, on a machine without GPUs, counts every CPU as a
+    # device: the real Ray never places the workers and LLaMA-Factory waits forever. lfa refuses to generate such
+    # a recipe; a hand-made one must still end in seconds with the reason, through the real LLaMA-Factory + Ray.
+    import pytest
+    pytest.importorskip("ray")
+    refused = run_lfa("generate", "--task", "pseudo2norm", "--hardware", _profile(tmp_path, name="cpu-x2",
+                      processes_per_node=2), "--launcher", "ray", "-o", tmp_path / "refused")
+    assert refused.returncode == 2 and "--launcher ray needs GPUs" in refused.stderr
+    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2))
+    recipe.write_text(recipe.read_text() + "ray_num_workers: 2\n")
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "3",
+                     timeout=240)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ray_unschedulable cannot be fixed by retrying" in result.stderr + result.stdout
+    assert "--num-cpus of at least 10 per GPU" in result.stderr + result.stdout
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert len(ledger["attempts"]) == 1 and ledger["attempts"][0]["failure"]["kind"] == "ray_unschedulable"
+    assert "master_addr" in ledger["attempts"][0]["overrides"]  # no dashboard needed to find the head

@@ -25,6 +25,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "failures"
     ("deepspeed_offload_client_optimizer.log", "deepspeed_offload_optimizer", True),
     # captured on the H200: LLaMA-Factory 0.9.5 + DeepSpeed 0.19.8, ZeRO-3, cosine_with_min_lr with min_lr
     ("zero3_min_lr_scheduler_h200.log", "scheduler_min_lr_zero3", True),
+    # captured here: LLaMA-Factory 0.9.5 + Ray 2.60, USE_RAY=1 on a 2-CPU machine (it then waits forever)
+    ("ray_unschedulable_cpu_lf095.log", "ray_unschedulable", False),
 ])
 def test_real_error_texts_are_classified(fixture, kind, retriable):
     failure = classify((FIXTURES / fixture).read_text().splitlines(), 1)

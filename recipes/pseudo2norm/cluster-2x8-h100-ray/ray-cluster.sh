@@ -16,7 +16,8 @@ export LFA_SORTED_STEPS="1"
 export OPTIM_TORCH="0"
 export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
 case "${1:-}" in
-  head) ray start --head --port=6379 ;;
-  worker) ray start --address="${2:?head address}:6379" ;;
+  # --num-cpus: LLaMA-Factory 0.9.5 reserves 10 CPUs per GPU worker (logical CPUs; Ray waits forever without them)
+  head) ray start --head --port=6379 --num-cpus=96 ;;
+  worker) ray start --address="${2:?head address}:6379" --num-cpus=96 ;;
   *) echo "usage: $0 head | worker HEAD_IP" >&2; exit 2 ;;
 esac
