@@ -5,7 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .recipe_file import Recipe, truthy
+from . import UserError
+from .recipe_file import Recipe, deepspeed_setup, truthy
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",
@@ -42,13 +43,10 @@ def semantic_view(recipe: Recipe) -> dict:
     data["effective_batch_size"] = int(data.get("per_device_train_batch_size", 1)) * \
         int(data.get("gradient_accumulation_steps", 1)) * world
     if data.get("deepspeed"):
-        path = recipe.folder / str(data["deepspeed"])
-        try:
-            zero = json.loads(path.read_text()).get("zero_optimization", {})
-            offload = [k.split("_", 1)[1] for k in ("offload_optimizer", "offload_param")
-                       if (zero.get(k) or {}).get("device") == "cpu"]
-            data["deepspeed_config"] = f"ZeRO-{zero.get('stage', 0)}" + (f", offload {'+'.join(offload)}" if offload else "")
-        except (OSError, json.JSONDecodeError):
+        try:  # the base ref's JSON may be missing: the diff still shows the rest
+            stage, offload = deepspeed_setup(recipe)
+            data["deepspeed_config"] = stage + ("" if offload == "none" else f", offload {offload}")
+        except UserError:
             data["deepspeed_config"] = "unreadable"
     if recipe.meta:
         data["lfa_sorted_steps"] = bool(recipe.meta.get("sorted_steps", False))

@@ -80,23 +80,28 @@ def truthy(value) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
+def deepspeed_setup(recipe: Recipe) -> tuple[str | None, str]:
+    """(None | zero2 | zero3, none | optimizer | all) from the recipe's DeepSpeed JSON; UserError if unreadable."""
+    if not recipe.data.get("deepspeed"):
+        return None, "none"
+    ds_path = recipe.folder / str(recipe.data["deepspeed"])
+    try:
+        zero = json.loads(ds_path.read_text()).get("zero_optimization", {})
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
+    stage = int(zero.get("stage", 0))
+    offload = "none"
+    if (zero.get("offload_param") or {}).get("device") == "cpu":
+        offload = "all"
+    elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
+        offload = "optimizer"
+    return {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}"), offload
+
+
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
     d = recipe.data
     precision = "bf16" if truthy(d.get("bf16")) else "fp16" if truthy(d.get("fp16")) else "fp32"
-    deepspeed, offload = None, "none"
-    if d.get("deepspeed"):
-        ds_path = (recipe.folder / str(d["deepspeed"]))
-        try:
-            ds = json.loads(ds_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
-        zero = ds.get("zero_optimization", {})
-        stage = int(zero.get("stage", 0))
-        deepspeed = {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}")
-        if "offload_param" in zero and zero["offload_param"].get("device") == "cpu":
-            offload = "all"
-        elif "offload_optimizer" in zero and zero["offload_optimizer"].get("device") == "cpu":
-            offload = "optimizer"
+    deepspeed, offload = deepspeed_setup(recipe)
     return Plan(
         precision=precision,
         micro_batch_size=int(d.get("per_device_train_batch_size", 1)),
