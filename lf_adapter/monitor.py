@@ -5,7 +5,7 @@ import json
 import math
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,7 +42,7 @@ class Failure:
     details: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "retriable": self.retriable, "evidence": self.evidence, "details": self.details}
+        return asdict(self)
 
 
 @lru_cache(maxsize=1)

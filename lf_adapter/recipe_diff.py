@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import UserError
@@ -30,7 +30,7 @@ class DiffEntry:
     new: object
 
     def to_dict(self) -> dict:
-        return {"group": self.group, "key": self.key, "old": self.old, "new": self.new}
+        return asdict(self)
 
 
 def semantic_view(recipe: Recipe) -> dict:

@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -46,8 +46,7 @@ class Finding:
     line: int = 1
 
     def to_dict(self) -> dict:
-        return {"severity": self.severity, "rule": self.rule, "message": self.message, "file": self.file,
-                "line": self.line}
+        return asdict(self)
 
 
 @dataclass
