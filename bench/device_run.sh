@@ -16,6 +16,11 @@ if [ "$cmd" = calibrate ]; then
   case " $* " in *6.7b*) [ -f $W/model_6.7b/config.json ] || python3 bench/make_assets.py $W 6.7b 2>&1 | grep -v Warning;; esac
   python3 bench/calibrate.py $W $OUT/calibration.json "$@" 2>&1 | grep -E "CALIB|Traceback|Error" | tee $OUT/calibrate.txt
 fi
+if [ "$cmd" = offload ]; then
+  case " $* " in *6.7b*) [ -f $W/model_6.7b/config.json ] || python3 bench/make_assets.py $W 6.7b 2>&1 | grep -v Warning;; esac
+  timeout ${BENCH_TIMEOUT:-560} python3 bench/offload.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|Traceback|Error" | tee $OUT/offload.txt
+  (cd $OUT && tar czf offload_logs.tgz *.log && rm -f *.log)
+fi
 if [ "$cmd" = seed ]; then
   timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^[a-z0-9_]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt
   (cd $OUT && tar czf seed_logs.tgz seed/*.log && rm -f seed/*.log)

@@ -7,6 +7,7 @@ from functools import lru_cache
 import yaml
 
 from . import templates_dir
+from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
 
@@ -123,3 +124,51 @@ def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB,
                            budget_gib=budget, headroom=headroom)
+
+
+@dataclass
+class HostMemory:
+    """Host RAM one node needs at its peak, summed over the training processes on it."""
+    items: dict[str, float] = field(default_factory=dict)  # GiB per node at the peak phase
+    phase: str = "training"  # loading | training: which phase peaks
+    ram_gib: float | None = None  # the node's RAM (None: unknown)
+    headroom: float = 0.08
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.items.values())
+
+    @property
+    def limit_gib(self) -> float | None:
+        return None if not self.ram_gib else self.ram_gib * (1.0 - self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.limit_gib is None or self.total_gib <= self.limit_gib
+
+    def to_dict(self) -> dict:
+        return {"items_gib": {k: round(v, 2) for k, v in self.items.items()}, "total_gib": round(self.total_gib, 2),
+                "phase": self.phase, "ram_gib": self.ram_gib,
+                "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 2), "fits": self.fits}
+
+
+def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib: float | None = None) -> HostMemory:
+    """Peak host RAM per node: the larger of the loading phase (every rank without ZeRO-3 holds the whole model in
+    16 bits and LLaMA-Factory's fp32 upcast) and the training phase (DeepSpeed's offloaded states per rank)."""
+    c = coefficients()["host"]
+    ranks = max(1, plan.world_size // max(1, plan.nodes))
+    partition = model.num_params / plan.world_size
+    runtime = {"runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
+    loading = dict(runtime)
+    if plan.deepspeed != "zero3":
+        loading["model load (16-bit + fp32 upcast) x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
+    training = dict(runtime)
+    if plan.offload in ("optimizer", "all") and plan.deepspeed:
+        per_param = c["zero3_offload_bytes_per_param" if plan.deepspeed == "zero3" else "zero2_offload_bytes_per_param"]
+        training["offloaded optimizer states (fp32 master, grads, Adam) x ranks"] = per_param * partition * ranks / GIB
+        if plan.deepspeed != "zero3" and plan.grad_accum > 1:
+            training["pinned 16-bit accumulation buffers x ranks"] = \
+                c["accumulation_bytes_per_param"] * partition * ranks / GIB
+    phase, items = max((("loading", loading), ("training", training)), key=lambda kv: sum(kv[1].values()))
+    ram = ram_gib if ram_gib is not None else (hardware.ram_gib or None)
+    return HostMemory(items=items, phase=phase, ram_gib=ram, headroom=c["headroom"])

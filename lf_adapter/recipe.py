@@ -12,6 +12,7 @@ from . import UserError
 from .data import profile_dataset
 from .hardware import HardwareProfile, installed_versions, load_profile
 from .model_spec import ModelSpec, load_model_spec
+from .memory import host_memory
 from .planner import PlanOptions, PlanResult, plan
 from .recipe_file import load_recipe, parse_value
 from .render import RecipeInputs, relative_to_dir, render_recipe
@@ -155,7 +156,8 @@ def generate(request: GenerateRequest) -> Generated:
     meta = {"model": shape_model, "effective_batch_size": int(hp["effective_batch_size"]),
             "mean_seq_fraction": round(mean_fraction, 4), "allow_packing": request.allow_packing,
             "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
-            "predicted_tokens_per_s": round(result.chosen.tokens_per_s)}
+            "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
+            "predicted_host_gib": round(host_memory(spec, result.chosen.plan, hardware).total_gib, 1)}
     if profile:
         meta["dataset_rows"] = profile.rows
     output_dir = f"saves/{task.name}"

@@ -52,15 +52,29 @@ def apply_memory_emulation() -> None:
         device = int(os.environ.get("LOCAL_RANK", "0"))
         total = cuda.get_device_properties(device).total_memory
         cuda.set_per_process_memory_fraction(float(cap) * 2**30 / total, device)
-    if cuda is not None:
-        atexit.register(_report_peak)
+    atexit.register(_report_peak)
+
+
+def host_rss_gib() -> tuple[float, float]:
+    """(current, peak) resident host memory of this process in GiB; pinned buffers count (they are resident)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as fh:
+            current = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        current = peak
+    return current, peak
 
 
 def _report_peak() -> None:
     cuda = _cuda()
+    line = "LFA_PEAK"
     if cuda is not None and cuda.is_initialized():
-        print(f"LFA_PEAK allocated_gib={cuda.max_memory_allocated() / 2**30:.2f} "
-              f"reserved_gib={cuda.max_memory_reserved() / 2**30:.2f}", flush=True)
+        line += (f" allocated_gib={cuda.max_memory_allocated() / 2**30:.2f}"
+                 f" reserved_gib={cuda.max_memory_reserved() / 2**30:.2f}")
+    print(f"{line} host_rss_gib={host_rss_gib()[1]:.2f} rank={os.environ.get('RANK', '0')}", flush=True)
 
 
 class EventsCallback(TrainerCallback):
@@ -78,6 +92,7 @@ class EventsCallback(TrainerCallback):
             event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
             # cudaFree + cudaMalloc retries: the allocator ran out of cached blocks (each one synchronizes)
             event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
+        event["host_rss_gib"] = round(host_rss_gib()[0], 3)
         event["time"] = time.time()
         with open(self.path, "a") as fh:
             fh.write(json.dumps(event) + "\n")

@@ -1,0 +1,190 @@
+"""Host memory and speed of DeepSpeed CPU offload on one H200 (issue 13): the trainer's peak RSS against lfa's host
+memory model, and ZeRO-2 offload step time at accumulation 8 and 64 against the throughput model.
+
+Each run is `lfa generate --hardware h200 --pin ...` + `lfa train` on the random-weight model of that shape
+(bench/make_assets.py). Host memory is read two ways: a sampler here sums the RSS of the supervisor's whole process
+tree every 0.25 s (torchrun, the trainer, DeepSpeed's threads, data workers), and the lfa plugin prints the
+trainer's own ru_maxrss at exit (LFA_PEAK ... host_rss_gib). Pinned buffers are resident, so both count them.
+
+usage (device):  python bench/offload.py ASSETS_DIR OUT_DIR --only plain_1.3b,z2off_1.3b [--steps 4]
+usage (here):    python bench/offload.py --table bench/results/<run>/offload.json   # predicted vs measured
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+# label -> (model folder under ASSETS, lfa generate --pin arguments)
+RUNS = {
+    "plain_1.3b": ("model", []),
+    "z2off_1.3b": ("model", ["deepspeed=zero2", "offload=optimizer"]),
+    "z3off_1.3b": ("model", ["deepspeed=zero3", "offload=all"]),
+    "z3off_6.7b": ("model_6.7b", ["deepspeed=zero3", "offload=all", "micro_batch_size=8"]),
+    "z2off_6.7b_ga8": ("model_6.7b", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
+    "z2off_6.7b_ga64": ("model_6.7b", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=1"]),
+}
+
+
+class TreeRss:
+    """Peak summed RSS of a process and all its descendants (psutil), sampled in a thread."""
+
+    def __init__(self, pid: int, period_s: float = 0.25):
+        self.pid, self.period_s, self.peak_gib, self._stop = pid, period_s, 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                total = 0
+                for proc in [root, *root.children(recursive=True)]:
+                    try:
+                        total += proc.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak_gib = max(self.peak_gib, total / 2**30)
+            except psutil.Error:
+                return
+            time.sleep(self.period_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.thread.join(timeout=2)
+        return self.peak_gib
+
+
+def big_ram_profile(work: Path) -> Path:
+    """The h200 profile with RAM lfa will not refuse: the runs must reach DeepSpeed to be measured."""
+    import yaml
+
+    from lf_adapter.hardware import builtin_profiles
+
+    data = yaml.safe_load(builtin_profiles()["h200"].read_text())
+    data.update(name="h200-bench-unbounded-ram", ram_gib=4096)
+    path = work / "h200-bench.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout_s: float) -> dict:
+    import signal
+    import subprocess
+
+    from seed_scenario import steady_state
+
+    model_dir, pins = RUNS[label]
+    folder, run_dir = work / label, work / "runs" / label
+    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
+           str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", str(big_ram_profile(work)),
+           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+           "--logging-steps", "1", "-o", str(folder), "--force"]
+    with open(out / f"{label}.gen.log", "wb") as log:
+        subprocess.call(gen, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    started = time.time()
+    train = [sys.executable, "-m", "lf_adapter.cli", "train", str(folder / "train.yaml"), "--run-dir", str(run_dir),
+             "--max-attempts", "1"]
+    with open(out / f"{label}.log", "wb") as log:
+        process = subprocess.Popen(train, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        sampler = TreeRss(process.pid)
+        try:
+            rc = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # lfa train stops the trainer's group on SIGINT
+            process.send_signal(signal.SIGINT)
+            rc = process.wait()
+        tree_peak = sampler.stop()
+    text = (out / f"{label}.log").read_text(errors="replace")
+    attempt_logs = sorted(run_dir.glob("attempt-*.log"))
+    trainer_text = attempt_logs[-1].read_text(errors="replace") if attempt_logs else ""
+    for attempt_log in attempt_logs:
+        (out / f"{label}-{attempt_log.name}").write_text(attempt_log.read_text(errors="replace"))
+    peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+) host_rss_gib=([\d.]+)", trainer_text)
+    meta = json.loads(next(line[12:] for line in (folder / "train.yaml").read_text().splitlines()
+                           if line.startswith("# lfa-meta: ")))
+    ledger = json.loads((run_dir / "ledger.json").read_text()) if (run_dir / "ledger.json").exists() else {}
+    attempts = ledger.get("attempts") or [{}]
+    row = {"rc": rc, "plan": attempts[0].get("plan"), "model": model_dir, "wall_s": round(time.time() - started, 1),
+           "failure": (attempts[0].get("failure") or {}).get("kind"),
+           "tree_peak_rss_gib": round(tree_peak, 2),
+           "trainer_peak_rss_gib": float(peaks[-1][2]) if peaks else None,
+           "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
+           "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
+           "predicted_host_gib": meta.get("predicted_host_gib"),
+           "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
+           "killed": "SIGKILL" in text or "exitcode  : -9" in trainer_text}
+    row.update(steady_state(run_dir / "events.jsonl"))
+    return row
+
+
+def table(results: dict) -> None:
+    from lf_adapter.hardware import load_profile
+    from lf_adapter.memory import host_memory
+    from lf_adapter.model_spec import load_model_spec
+    from lf_adapter.plan import Plan
+    from lf_adapter.planner import predict_tokens_per_s
+
+    hardware = load_profile("h200")
+    specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"),
+             "model_6.7b": load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")}
+    print(f"{'run':18s} {'plan':52s} {'host RSS':>8s} {'predicted':>9s} {'err':>6s} {'tok/s':>7s} {'pred':>7s} {'err':>6s}")
+    for label, row in results.items():
+        if not row.get("plan"):
+            print(f"{label:18s} (no plan: rc {row.get('rc')})")
+            continue
+        spec = specs[row["model"]]
+        plan = Plan.from_label(row["plan"])
+        predicted = host_memory(spec, plan, hardware).total_gib
+        measured = row.get("tree_peak_rss_gib") or 0.0
+        tps = row.get("steady_tokens_per_s")
+        pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 0.72)
+        err = f"{predicted / measured - 1:+.1%}" if measured else "-"
+        terr = f"{pred_tps / tps - 1:+.1%}" if tps else "-"
+        print(f"{label:18s} {row['plan'][:52]:52s} {measured:8.1f} {predicted:9.1f} {err:>6s} {tps or 0:7,.0f} "
+              f"{pred_tps:7,.0f} {terr:>6s}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("assets", type=Path, nargs="?")
+    parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--only", default=",".join(RUNS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--run-timeout-s", type=float, default=300)
+    parser.add_argument("--deadline-s", type=float, default=540, help="start no run after this many seconds")
+    parser.add_argument("--table", type=Path, help="print predicted vs measured for a results file, run nothing")
+    args = parser.parse_args()
+    if args.table:
+        table(json.loads(args.table.read_text()))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.assets / "offload"
+    work.mkdir(parents=True, exist_ok=True)
+    begun = time.time()
+    results_file = args.out / "offload.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    for label in [name for name in args.only.split(",") if name in RUNS]:
+        started = time.time()
+        left = args.deadline_s - (started - begun)
+        if left < 60:
+            print(f"BENCH {label} skipped: {left:.0f}s left before the deadline", flush=True)
+            continue
+        results[label] = run_one(label, args.assets, work, args.out, args.steps, min(args.run_timeout_s, left))
+        print(f"BENCH {label} done in {time.time() - started:.0f}s: {json.dumps(results[label])}", flush=True)
+        results_file.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
