@@ -300,9 +300,11 @@ def diff_cmd(old, new, fmt):
 @click.option("--node-rank", type=int, help="Multi-node: this node's rank; run one `lfa train` per node.")
 @click.option("--master-addr", help="Multi-node: node 0's address (default: the hardware profile's).")
 @click.option("--master-port", type=int, help="Multi-node: the rendezvous port (default: the profile's, 29500).")
+@click.option("--hardware", help="Plan OOM recovery for this profile (name or file) instead of the recipe's own "
+              "(its lfa-meta header, or detect for hand-written recipes).")
 @user_errors
 def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets, node_rank, master_addr,
-          master_port):
+          master_port, hardware):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
@@ -312,7 +314,7 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
     request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
                            json_events=as_json, overrides=tuple(sets), node_rank=node_rank,
-                           master_addr=master_addr, master_port=master_port)
+                           master_addr=master_addr, master_port=master_port, hardware=hardware)
     if detach:
         run = start_detached(request)
         click.echo(f"started run {run.name} in the background (pid {run.pid}); follow it with: lfa status {run.dir}; "

@@ -104,11 +104,12 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
 
 
 def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
-             headroom: float = DEFAULT_HEADROOM) -> MemoryBreakdown:
-    """Peak per-GPU memory in GiB. vram_gib is the card's usable memory (None on CPU)."""
+             headroom: float = DEFAULT_HEADROOM, activation_scale: float = 1.0) -> MemoryBreakdown:
+    """Peak per-GPU memory in GiB. vram_gib is the card's usable memory (None on CPU). activation_scale > 1
+    corrects the activation and logits terms (the least certain ones) after an OOM showed them larger."""
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
-    activations = _activations(model, plan, seq_len)
+    activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
     if plan.grad_accum == 1 and not plan.gradient_checkpointing and plan.deepspeed is None:
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
@@ -172,3 +173,13 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
     phase, items = max((("loading", loading), ("training", training)), key=lambda kv: sum(kv[1].values()))
     ram = ram_gib if ram_gib is not None else (hardware.ram_gib or None)
     return HostMemory(items=items, phase=phase, ram_gib=ram, headroom=c["headroom"])
+
+
+def fit_activation_scale(model: ModelSpec, plan: Plan, seq_len: int, needed_allocated_gib: float) -> float:
+    """The activation_scale at which `plan` is predicted to allocate at least needed_allocated_gib (what an OOM
+    showed it needed); 1.0 when the model already predicts that much. Never below 1: an OOM is a lower bound."""
+    predicted = estimate(model, plan, seq_len, None)
+    activations = sum(_activations(model, plan, seq_len).values()) / GIB
+    if predicted.allocated_gib >= needed_allocated_gib or activations <= 0:
+        return 1.0
+    return 1.0 + (needed_allocated_gib - predicted.allocated_gib) / activations

@@ -20,6 +20,7 @@ _OOM_FIELDS = {
     "capacity_gib": r"total capacity of ([\d.]+ [KMG]iB)",
     "free_gib": r"of which ([\d.]+ [KMG]iB) is free",
     "in_use_gib": r"this process has ([\d.]+ [KMG]iB) memory in use",
+    "allowed_gib": r"([\d.]+ [KMG]iB) allowed",  # set_per_process_memory_fraction: the process's own cap
     "allocated_gib": r"([\d.]+ [KMG]iB) is allocated by PyTorch",
     "reserved_unallocated_gib": r"([\d.]+ [KMG]iB) is reserved by PyTorch but unallocated",
 }

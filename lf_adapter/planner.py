@@ -1,13 +1,14 @@
 """Stage 5: search the plan space and pick the fastest plan that fits, with reasons and runners-up."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
-from .memory import DEFAULT_HEADROOM, MemoryBreakdown, coefficients, estimate
-from .model_spec import ModelSpec
+from .memory import DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, coefficients, estimate, host_memory
+from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -25,6 +26,11 @@ class PlanOptions:
     sort_steps: bool = True  # length-sorted micro-batches inside each step (no change to what a step trains on)
     mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
+    # recovery after an OOM (remedies.replan_after_oom): what the log showed
+    activation_scale: float = 1.0  # > 1: activations measured larger than modelled
+    vram_gib: float | None = None  # usable GPU memory (default: the profile's)
+    ram_gib: float | None = None  # host RAM of a node (default: the profile's)
+    below_reserved_gib: float | None = None  # only plans predicted to need less than the one that failed
 
 
 @dataclass
@@ -32,10 +38,15 @@ class Candidate:
     plan: Plan
     memory: MemoryBreakdown
     tokens_per_s: float  # predicted non-pad tokens per second, whole job
+    host: HostMemory = field(default_factory=HostMemory)
 
     @property
     def fits(self) -> bool:
-        return self.memory.fits
+        return self.memory.fits and self.host.fits
+
+
+class NoPlanFits(UserError):
+    """No plan fits GPU and host memory together; the message says what would."""
 
 
 @dataclass
@@ -165,22 +176,25 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
 
 
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
-         options: PlanOptions = PlanOptions()) -> PlanResult:
-    vram = hardware.gpu.vram_gib if hardware.has_gpu else (hardware.ram_gib or None)  # on CPU, host RAM
+         options: PlanOptions = PlanOptions(), suggest: bool = True) -> PlanResult:
+    """The fastest plan that fits GPU and host memory. NoPlanFits when none does (with suggest: what would)."""
+    if hardware.has_gpu:
+        vram = options.vram_gib or hardware.gpu.vram_gib
+    else:
+        vram = hardware.ram_gib or None  # on CPU, host RAM
     seen, candidates = set(), []
     for p in candidate_plans(model, hardware, effective_batch, options):
         if p in seen:
             continue
         seen.add(p)
-        mem = estimate(model, p, seq_len, vram, options.headroom)
-        if mem.cpu_offload_gib > 0.8 * hardware.ram_gib:
-            continue
-        candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len,
-                                                                 options.mean_seq_fraction)))
+        mem = estimate(model, p, seq_len, vram, options.headroom, options.activation_scale)
+        candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len, options.mean_seq_fraction),
+                                    host_memory(model, p, hardware, options.ram_gib)))
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
         raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})")
-    fitting = [c for c in candidates if c.fits]
+    below = options.below_reserved_gib
+    fitting = [c for c in candidates if c.fits and (below is None or c.memory.reserved_gib < below)]
     if hardware.world_size == 1 and any(c.plan.deepspeed is None for c in fitting):
         # one GPU: DeepSpeed (offload) only when the model states need it; its CPU Adam and PCIe copies are
         # hard to predict and it is one more package and launcher that can fail
@@ -188,13 +202,66 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
     fitting = rank(fitting)
     rejected = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.reserved_gib)
     if not fitting:
-        smallest = rejected[0]
-        raise UserError(f"no plan fits {model.name} on {hardware.name}: even {smallest.plan.label()} needs "
-                        f"{smallest.memory.reserved_gib:.1f} GiB per GPU against a limit of "
-                        f"{smallest.memory.limit_gib:.1f} GiB; use more GPUs or a smaller model")
+        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, candidates, suggest))
     chosen = fitting[0]
-    return PlanResult(chosen=Candidate(explain(chosen, hardware, options, fitting), chosen.memory, chosen.tokens_per_s),
+    return PlanResult(chosen=Candidate(explain(chosen, hardware, options, fitting), chosen.memory, chosen.tokens_per_s,
+                                       chosen.host),
                       runners_up=fitting[1:6], rejected=rejected[:5])
+
+
+def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
+                   options: PlanOptions, candidates: list[Candidate], suggest: bool = True) -> str:
+    """Why nothing fits (the lightest plan's GPU and host needs) and what would: more GPUs of this kind, the RAM
+    that ZeRO-3 offload needs, a smaller model from lfa's catalog."""
+    lightest = min(candidates, key=lambda c: c.memory.reserved_gib)
+    gpu_fitting = [c for c in candidates if c.memory.fits]
+    where = f"{model.name} ({model.num_params / 1e9:.1f} B parameters) on {hardware.name}"
+    if not hardware.has_gpu:
+        return (f"no plan fits {where}: even {lightest.plan.label()} needs {lightest.memory.reserved_gib:.1f} GiB "
+                f"of RAM against a limit of {lightest.memory.limit_gib:.1f} GiB; use a smaller model")
+    lines = [f"no plan fits {where}: the model states alone are {16 * model.num_params / 2**30:.1f} GiB "
+             f"(16 bytes per parameter); the GPU has {lightest.memory.budget_gib:.1f} GiB "
+             f"({lightest.memory.limit_gib:.1f} usable with {options.headroom:.0%} headroom), the host "
+             f"{lightest.host.ram_gib or 0:.0f} GiB of RAM"]
+    if options.activation_scale > 1.0:
+        lines.append(f"(activations scaled x{options.activation_scale:.2f} to match the OOM this run showed)")
+    if gpu_fitting:
+        best_host = min(gpu_fitting, key=lambda c: c.host.total_gib)
+        lines.append(f"  lightest on the GPU: {best_host.plan.label()} at {best_host.memory.reserved_gib:.1f} GiB, "
+                     f"but it needs {best_host.host.total_gib:.1f} GiB of host RAM "
+                     f"({best_host.host.limit_gib or 0:.1f} usable): " +
+                     ", ".join(f"{k} {v:.1f}" for k, v in best_host.host.items.items()))
+        need_ram = best_host.host.total_gib / (1.0 - best_host.host.headroom)
+        lines.append(f"  would fit: the same GPU with {need_ram:.0f} GiB of host RAM")
+    else:
+        lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
+    if not suggest:
+        return lines[0]
+    plain = dataclasses.replace(options, below_reserved_gib=None)
+    for gpus in (2, 4, 8, 16, 32):
+        if effective_batch % gpus:
+            continue
+        bigger = dataclasses.replace(hardware, gpus_per_node=min(gpus, 8), nodes=max(1, gpus // 8))
+        try:
+            found = plan(model, bigger, effective_batch, seq_len, plain, suggest=False)
+        except UserError:
+            continue
+        lines.append(f"  would fit: {gpus} GPUs of this kind ({found.chosen.plan.label()}, "
+                     f"{found.chosen.memory.reserved_gib:.1f} GiB per GPU, {found.chosen.host.total_gib:.0f} GiB RAM per node)")
+        break
+    smaller = []
+    for name in catalog():
+        other = load_model_spec(name)
+        if other.num_params >= model.num_params or name == model.name:
+            continue
+        try:
+            plan(other, hardware, effective_batch, seq_len, plain, suggest=False)
+            smaller.append((other.num_params, name))
+        except UserError:
+            continue
+    if smaller:
+        lines.append("  would fit: a smaller model, e.g. " + ", ".join(n for _, n in sorted(smaller, reverse=True)[:3]))
+    return "\n".join(lines)
 
 
 def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]) -> Plan:

@@ -10,6 +10,7 @@ import yaml
 
 from . import UserError
 from .hardware import HardwareProfile, load_profile, profile_from_dict
+from .model_spec import ModelSpec, load_model_spec
 from .plan import Plan
 
 
@@ -116,3 +117,13 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
         alloc_conf=recipe.meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in d or recipe.meta.get("launcher") == "ray" else "torchrun",
     )
+
+
+def recipe_model_spec(recipe: Recipe, workdir: Path | None = None) -> ModelSpec:
+    """The shape of the recipe's model_name_or_path: a local folder resolved as LLaMA-Factory resolves it (against
+    the directory it runs in; lfa train runs it in the recipe's folder), or a hub id of lfa's catalog."""
+    name = str(recipe.data.get("model_name_or_path") or "")
+    if not name:
+        raise UserError(f"{recipe.path} has no model_name_or_path")
+    local = (workdir or recipe.folder) / name
+    return load_model_spec(str(local) if local.is_dir() else name)

@@ -7,9 +7,12 @@ import os
 from dataclasses import dataclass, field
 
 from .hardware import HardwareProfile
+from .memory import estimate, fit_activation_scale
+from .model_spec import ModelSpec
 from .monitor import Failure, failure_class
 from .plan import Plan
 from .planner import EXPANDABLE_SEGMENTS as EXPANDABLE
+from .planner import NoPlanFits, PlanOptions, plan
 
 FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, not real shortage
 
@@ -26,7 +29,7 @@ class Attempt:
 @dataclass(frozen=True)
 class Remedy:
     action: str
-    attempt: Attempt
+    attempt: Attempt | None  # None: stop now, no retry can help (why says what would)
     why: str
 
 
@@ -38,6 +41,10 @@ class Context:
     hub_mirror: str | None = None
     model_cached: bool = False
     scheduler_kwargs: dict | None = None  # the recipe's lr_scheduler_kwargs
+    model: ModelSpec | None = None  # the model's shape: OOMs are re-planned with the memory model
+    seq_len: int = 2048  # cutoff_len
+    mean_seq_fraction: float = 0.75
+    liger_available: bool = False
 
 
 def _fragmentation(a, f, c):
@@ -182,11 +189,74 @@ def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | No
     return None
 
 
+def oom_budget_gib(failure: Failure, hardware: HardwareProfile) -> float:
+    """Usable GPU memory as the OOM line reports it: the process's cap when one was set, else the card's capacity
+    less what other processes hold; never more than the profile says."""
+    d = failure.details
+    budget = hardware.gpu.vram_gib
+    if d.get("allowed_gib"):
+        return min(budget, d["allowed_gib"])
+    if d.get("capacity_gib"):
+        others = max(0.0, d["capacity_gib"] - d.get("free_gib", 0.0) - d.get("in_use_gib", 0.0))
+        budget = min(budget, d["capacity_gib"] - others)
+    return budget
+
+
+def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Remedy | None:
+    """A CUDA OOM re-planned by the memory model with the log's evidence: the budget the line reports, the
+    activation terms scaled up until the failing plan is predicted at what it had allocated plus what it asked
+    for, then the fastest plan predicted to fit (GPU and host) with the same effective batch, precision, packing
+    and launcher. Expandable segments alone when that plan fits and the cached-but-free share explains the OOM.
+    Returns a stop (attempt None) when nothing fits, None without a model or GPU to plan with."""
+    if context.model is None or not context.hardware.has_gpu:
+        return None
+    failing, d = attempt.plan, failure.details
+    budget = oom_budget_gib(failure, context.hardware)
+    needed = d.get("allocated_gib", 0.0) + d.get("asked_gib", 0.0)
+    scale = fit_activation_scale(context.model, failing, context.seq_len, needed) if needed else 1.0
+    evidence = (f"the OOM line shows {d.get('allocated_gib', 0):.2f} GiB allocated + {d.get('asked_gib', 0):.2f} "
+                f"GiB asked of {budget:.2f} GiB" if needed else "the OOM line has no allocation figures")
+    if scale > 1.0:
+        evidence += f"; activations rescaled x{scale:.2f} so the failing plan is predicted at that"
+    failing_now = estimate(context.model, failing, context.seq_len, budget, activation_scale=scale)
+    wasted = d.get("reserved_unallocated_gib", 0.0)
+    if not failing.alloc_conf and wasted >= max(FRAGMENTATION_GIB, d.get("asked_gib", 0.0)):
+        expandable = estimate(context.model, failing.replace(alloc_conf=EXPANDABLE), context.seq_len, budget,
+                              activation_scale=scale)
+        if expandable.fits:
+            return Remedy("fragmentation", dataclasses.replace(attempt, plan=failing.replace(alloc_conf=EXPANDABLE)),
+                          f"{wasted:.2f} GiB reserved but unallocated covers the {d.get('asked_gib', 0):.2f} GiB asked "
+                          f"and the memory model puts this plan at {expandable.reserved_gib:.1f} of "
+                          f"{expandable.limit_gib:.1f} GiB: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
+    fixed = {"precision": failing.precision, "packing": failing.packing, "launcher": failing.launcher}
+    options = PlanOptions(allow_packing=failing.packing, launcher=failing.launcher,
+                          liger_available=context.liger_available or failing.liger,
+                          mean_seq_fraction=context.mean_seq_fraction, fixed=fixed, activation_scale=scale,
+                          vram_gib=budget,
+                          # a plan the model thinks fits did not: only plans that need less than it may follow
+                          below_reserved_gib=failing_now.reserved_gib if failing_now.fits else None)
+    try:
+        result = plan(context.model, context.hardware, failing.effective_batch_size, context.seq_len, options)
+    except NoPlanFits as exc:
+        return Remedy("no_plan_fits", None, f"{evidence}. {exc}")
+    chosen = result.chosen
+    new_plan = chosen.plan.replace(reasons={})
+    return Remedy("replan", dataclasses.replace(attempt, plan=new_plan), (
+        f"{evidence}; the memory model puts {failing.label()} at {failing_now.reserved_gib:.1f} GiB and "
+        f"{new_plan.label()} at {chosen.memory.reserved_gib:.1f} of {chosen.memory.limit_gib:.1f} GiB "
+        f"(host {chosen.host.total_gib:.0f} of {chosen.host.limit_gib or 0:.0f} GiB RAM), the fastest that fits; "
+        f"effective batch stays {new_plan.effective_batch_size}"))
+
+
 def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
     """The first step of the class's ladder that was not taken yet and applies to this attempt. Steps are
     remembered in `tried` as "class:index"; a step whose action ends in * stays available while it applies."""
     if not failure.retriable or failure.kind == "unknown":
         return None
+    if failure.kind == "cuda_oom":
+        replanned = replan_after_oom(attempt, failure, context)
+        if replanned is not None and (replanned.attempt is None or replanned.attempt.plan != attempt.plan):
+            return replanned
     for index, step in enumerate(failure_class(failure.kind).ladder):
         action, repeatable = step.rstrip("*"), step.endswith("*")
         if f"{failure.kind}:{index}" in tried:

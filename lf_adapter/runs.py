@@ -16,11 +16,12 @@ from pathlib import Path
 import click
 
 from . import UserError
-from .hardware import GpuMemoryProbe
+from .hardware import GpuMemoryProbe, installed_versions
+from .model_spec import ModelSpec, load_model_spec
 from .launch import launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
 from .plan import Plan
-from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware
+from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
 from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
 
@@ -42,6 +43,7 @@ class TrainRequest:
     node_rank: int | None = None  # multi-node: this node's rank (one supervisor per node)
     master_addr: str | None = None  # override the profile's rendezvous host
     master_port: int | None = None
+    hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
 
 
 def plan_keys(plan: Plan) -> dict:
@@ -289,9 +291,19 @@ def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
     return "\n".join(header + lines + extra) + "\n"
 
 
+def _planning_model(recipe: Recipe) -> ModelSpec | None:
+    """The shape OOM recovery plans for; None (the plain ladder) when lfa cannot know it. LFA_EMULATE_MODEL names
+    another shape: fault-injection tests emulate a 6.7B OOM while a tiny model trains on the CPU."""
+    emulated = os.environ.get("LFA_EMULATE_MODEL")
+    try:
+        return load_model_spec(emulated) if emulated else recipe_model_spec(recipe)
+    except UserError:
+        return None
+
+
 def supervise(request: TrainRequest) -> int:
     recipe = load_recipe(request.recipe)
-    hardware = recipe_hardware(recipe)
+    hardware = recipe_hardware(recipe, request.hardware)
     if "output_dir" not in recipe.data:
         raise UserError(f"{recipe.path} has no output_dir")
     name = request.name or recipe.folder.resolve().name
@@ -319,7 +331,10 @@ def supervise(request: TrainRequest) -> int:
     context = Context(hardware=hardware, allow_hparam_change=request.allow_hparam_change,
                       learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
                       model_cached=model_dir.is_dir(), scheduler_kwargs=recipe.data.get("lr_scheduler_kwargs")
-                      if isinstance(recipe.data.get("lr_scheduler_kwargs"), dict) else None)
+                      if isinstance(recipe.data.get("lr_scheduler_kwargs"), dict) else None,
+                      model=_planning_model(recipe), seq_len=int(recipe.data.get("cutoff_len") or 2048),
+                      mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
+                      liger_available=installed_versions().get("liger-kernel") is not None)
     attempt = Attempt(plan_from_recipe(recipe, hardware))
     launch_keys = {}
     if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
@@ -409,10 +424,13 @@ def supervise(request: TrainRequest) -> int:
                                + (f"\n{advice}" if advice else ""), kind=failure.kind)
                 return 1
             remedy = next_remedy(attempt, failure, context, tried)
-            if remedy is None:
+            if remedy is None or remedy.attempt is None:
                 ledger.data["status"] = "failed"
+                if remedy is not None:
+                    record["remedy"] = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
                 ledger.save()
-                reporter.event("error", f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
+                reporter.event("error", f"lfa: {remedy.why}" if remedy else
+                               f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
                                kind=failure.kind)
                 return 1
             note = f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}"
@@ -455,6 +473,7 @@ def start_detached(request: TrainRequest) -> DetachedRun:
             "--name", name, "--max-attempts", str(request.max_attempts)]
     args += ["--allow-hparam-change"] if request.allow_hparam_change else []
     args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
+    args += ["--hardware", request.hardware] if request.hardware else []
     args += ["--master-addr", request.master_addr] if request.master_addr else []
     args += ["--master-port", str(request.master_port)] if request.master_port else []
     args += [x for s in request.overrides for x in ("--set", s)]

@@ -153,3 +153,35 @@ def test_progress_line_carries_step_loss_speed_eta_and_gpu_memory():
                               "eta": "0:01:02", "gpu_used_gib": 26.7})
     assert text.startswith("[attempt 2] step 5/10 [##########..........]")
     assert "loss 1.2346" in text and "23,511 tok/s" in text and "ETA 0:01:02" in text and "GPU 26.7 GiB (NVML)" in text
+
+
+SEED_OOM = next(line.split(": ", 1)[1] for line in
+                (REPO / "tests" / "fixtures" / "failures" / "cuda_oom_seed_v100.log").read_text().splitlines()
+                if line.startswith("torch.OutOfMemoryError"))
+
+
+def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(cpu_recipe, tmp_path):
+    """The seed's case: the paper's fp16 mbs8 x ga8 recipe on the 31.73 GiB card dies with the seed's own OOM line
+    (injected: a CPU cannot run out of GPU memory, but the line flows through the real trainer, log and
+    classifier); the planner, told the card and the 6.7B shape, runs an offload plan next with batch 64."""
+    import re
+
+    recipe = cpu_recipe("max_steps=3")
+    text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
+    text = re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text)
+    recipe.write_text(re.sub(r"(?m)^fp16: false", "fp16: true", text))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "2", "--hardware", "v100-32g",
+                     "--json", env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
+                                    "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
+    first, second = _ledger(tmp_path / "run")["attempts"][:2]
+    assert first["failure"]["kind"] == "cuda_oom", result.stdout + result.stderr
+    assert first["failure"]["details"]["allocated_gib"] == 27.81
+    assert "27.81 GiB is allocated by PyTorch" in (tmp_path / "run" / "attempt-1.log").read_text()
+    assert first["remedy"]["action"] == "replan"
+    from lf_adapter.plan import Plan
+
+    plan = Plan.from_label(second["plan"])
+    assert plan.offload != "none" and plan.effective_batch_size == 64 and plan.precision == "fp16", second["plan"]
+    ds_file = recipe.parent / second["overrides"]["deepspeed"]
+    zero = json.loads(ds_file.read_text())["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu"

@@ -4,6 +4,7 @@ Environment (set by `lfa train`, or by tests and benchmarks):
   LFA_EVENTS_FILE           append one JSON object per event (rank 0 only)
   LFA_EMULATE_VRAM_GIB      cap the CUDA caching allocator to emulate a smaller card (real CUDA OOMs)
   LFA_INJECT_OOM_ABOVE_MBS  raise torch's real OutOfMemoryError when the micro-batch is larger (CPU tests)
+  LFA_INJECT_OOM_MESSAGE    the text of that error (default: an OOM of a 31.73 GiB card)
   LFA_INJECT_NAN_AT_STEP    poison the weights with NaN at this optimizer step (real NaN loss follows)
   LFA_STEP_DELAY_S          sleep this long after each step (gives kill/resume tests a window)
   LFA_SORTED_STEPS          length-sorted micro-batches inside each optimizer step (hooks.py, sampler.py)
@@ -133,7 +134,7 @@ class FaultInjectionCallback(TrainerCallback):
             import torch
 
             need = args.per_device_train_batch_size * 0.2467
-            raise torch.OutOfMemoryError(
+            raise torch.OutOfMemoryError(os.environ.get("LFA_INJECT_OOM_MESSAGE") or
                 f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "
                 f"of which 1.02 GiB is free. Including non-PyTorch memory, this process has 30.71 GiB memory in "
                 f"use. Of the allocated memory 29.00 GiB is allocated by PyTorch, and 1.62 GiB is reserved by "
