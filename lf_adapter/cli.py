@@ -256,8 +256,11 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
 @click.option("--base", "base_ref", metavar="GIT_REF", help="Also show what changed against this git ref (e.g. origin/main).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "github", "json"]), default="text",
               show_default=True, help="markdown for a PR comment, github for workflow annotations.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Where llamafactory-cli will run: LLaMA-Factory "
+              "resolves relative paths (deepspeed, dataset_dir, model) against it (default: the recipe's folder for "
+              "lfa recipes, else the current directory).")
 @user_errors
-def review(recipes, hardware, model, base_ref, fmt):
+def review(recipes, hardware, model, base_ref, fmt, workdir):
     """Validate recipes with LLaMA-Factory's own argument parsing plus lfa's rules; summarize them for a PR.
 
     Exit 1 when any recipe has an error finding (file:line in the output).
@@ -266,7 +269,8 @@ def review(recipes, hardware, model, base_ref, fmt):
     """
     from .review import format_reviews, review_recipe
 
-    reviews = [review_recipe(path, hardware=hardware, model=model, base_ref=base_ref) for path in recipes]
+    reviews = [review_recipe(path, hardware=hardware, model=model, base_ref=base_ref, workdir=workdir)
+               for path in recipes]
     click.echo(format_reviews(reviews, fmt), nl=False)
     sys.exit(1 if any(r.errors for r in reviews) else 0)
 

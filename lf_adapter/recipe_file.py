@@ -81,11 +81,12 @@ def truthy(value) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def deepspeed_setup(recipe: Recipe) -> tuple[str | None, str]:
-    """(None | zero2 | zero3, none | optimizer | all) from the recipe's DeepSpeed JSON; UserError if unreadable."""
+def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | None, str]:
+    """(None | zero2 | zero3, none | optimizer | all) from the recipe's DeepSpeed JSON, resolved against the
+    directory LLaMA-Factory runs in (default: the recipe's folder); UserError if unreadable."""
     if not recipe.data.get("deepspeed"):
         return None, "none"
-    ds_path = recipe.folder / str(recipe.data["deepspeed"])
+    ds_path = (workdir or recipe.folder) / str(recipe.data["deepspeed"])
     try:
         zero = json.loads(ds_path.read_text()).get("zero_optimization", {})
     except (OSError, json.JSONDecodeError) as exc:
@@ -99,10 +100,10 @@ def deepspeed_setup(recipe: Recipe) -> tuple[str | None, str]:
     return {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}"), offload
 
 
-def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile) -> Plan:
+def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | None = None) -> Plan:
     d = recipe.data
     precision = "bf16" if truthy(d.get("bf16")) else "fp16" if truthy(d.get("fp16")) else "fp32"
-    deepspeed, offload = deepspeed_setup(recipe)
+    deepspeed, offload = deepspeed_setup(recipe, workdir)
     return Plan(
         precision=precision,
         micro_batch_size=int(d.get("per_device_train_batch_size", 1)),

@@ -20,7 +20,7 @@ import yaml
 
 from . import UserError, templates_dir
 from .hardware import HardwareProfile
-from .memory import estimate
+from .memory import estimate, host_memory
 from .model_spec import ModelSpec, load_model_spec
 from .plan import Plan
 from .planner import predict_tokens_per_s
@@ -219,8 +219,23 @@ def _launch_script(recipe: Recipe) -> str | None:
     return launch.read_text() if launch.is_file() else None
 
 
+def _resolve(workdir: Path, recipe: Recipe, value: str) -> tuple[Path, str]:
+    """A relative path as LLaMA-Factory resolves it (against workdir), and a note when it exists only beside the
+    YAML instead (LLaMA-Factory would not find it there)."""
+    path = Path(value)
+    if path.is_absolute():
+        return path, ""
+    resolved = workdir / path
+    beside = recipe.folder / path
+    if not resolved.exists() and beside.exists() and beside.resolve() != resolved.resolve():
+        return resolved, (f" (it exists relative to the recipe, {beside}, but LLaMA-Factory resolves relative paths "
+                          f"against the directory it runs in, {workdir}: run it there or pass --workdir)")
+    return resolved, ""
+
+
 def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
-                  spec: ModelSpec | None) -> list[Finding]:
+                  spec: ModelSpec | None, workdir: Path | None = None) -> list[Finding]:
+    workdir = workdir or recipe.folder
     d, path = recipe.data, str(recipe.path)
     out: list[Finding] = []
 
@@ -245,11 +260,12 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
         elif launch is None:
             add("warning", "deepspeed_launch", "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
                 "plain llamafactory-cli export it yourself)", "deepspeed")
-        ds_path = recipe.folder / str(d["deepspeed"])
+        ds_path, beside = _resolve(workdir, recipe, str(d["deepspeed"]))
         try:
             ds = json.loads(ds_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}", "deepspeed")
+            add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}",
+                "deepspeed")
         else:
             zero = ds.get("zero_optimization", {})
             offloads = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
@@ -298,12 +314,12 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
     if template in chat_template_files() and (launch is None or "plugin" not in launch):
         add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with `lfa train` "
             "or an lfa launch.sh, which register it in every process", "template")
-    dataset_dir = recipe.folder / str(d.get("dataset_dir", "data"))
-    info_file = dataset_dir / "dataset_info.json"
+    info_file, beside = _resolve(workdir, recipe, str(Path(str(d.get("dataset_dir", "data"))) / "dataset_info.json"))
+    dataset_dir = info_file.parent
     for name in [s.strip() for s in str(d.get("dataset") or "").split(",") if s.strip()]:
         if not info_file.is_file():
             add("error", "dataset_info_missing", f"{info_file} does not exist (LLaMA-Factory: \"Cannot open "
-                f"{info_file}\")", "dataset_dir")
+                f"{info_file}\"){beside}", "dataset_dir")
             break
         try:
             info = json.loads(info_file.read_text())
@@ -318,15 +334,15 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
             add("warning", "dataset_file_missing", f"{info[name]['file_name']} (dataset {name}) is not here; it must "
                 "exist on the training machine", "dataset")
     model = str(d.get("model_name_or_path", ""))
-    local = Path(model) if Path(model).is_absolute() else recipe.folder / model
+    local, beside = _resolve(workdir, recipe, model)
     stage_input = task_name in task_files() and load_task(task_name).model_from_task
     if model and not HUB_ID.match(model) and not local.exists():
         if stage_input:
             add("warning", "model_from_stage", f"model {model} is {stage_input}'s output: train that stage first",
                 "model_name_or_path")
         else:
-            add("error", "model_missing", f"model {model} is neither a local folder (from {recipe.folder}) nor a "
-                "hub id", "model_name_or_path")
+            add("error", "model_missing", f"model {model} is neither a local folder (from {workdir}) nor a "
+                f"hub id{beside}", "model_name_or_path")
     known = llamafactory_templates()
     if template and known is not None and template not in known:
         close = difflib.get_close_matches(str(template), sorted(known), n=1)
@@ -342,23 +358,45 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
             add("warning", "memory_headroom", f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
                 f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
                 "per_device_train_batch_size")
+    if spec is not None:
+        host = host_memory(spec, plan, hardware)
+        if host.ram_gib and not host.fits:
+            add("error" if host.total_gib > host.ram_gib else "warning", "host_memory_over",
+                f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: " +
+                ", ".join(f"{k} {v:.1f}" for k, v in host.items.items()) +
+                f") against {host.ram_gib:.0f} GiB on {hardware.name} ({host.limit_gib:.1f} usable): the kernel's OOM "
+                "killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if plan.offload != "none" else None)
+    if d.get("max_samples"):
+        add("warning", "max_samples", f"max_samples: {d['max_samples']} trains on the first {d['max_samples']} rows "
+            "of the dataset only", "max_samples")
+    rows = _dataset_rows(recipe, workdir)
+    if rows is not None:
+        rows = min(rows, int(d["max_samples"])) if d.get("max_samples") else rows
+        steps_per_epoch = rows // plan.effective_batch_size
+        if steps_per_epoch < 1:
+            add("error", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
+                f"{plan.effective_batch_size}: not one optimizer step per epoch", "per_device_train_batch_size")
+        elif steps_per_epoch < 10:
+            add("warning", "few_steps_per_epoch", f"{rows} rows / effective batch {plan.effective_batch_size} = "
+                f"{steps_per_epoch} optimizer steps per epoch: warmup and the schedule have little room",
+                "per_device_train_batch_size")
     return out
 
 
-def _model_spec(recipe: Recipe, model: str | None) -> ModelSpec | None:
-    name = model or recipe.meta.get("model") or str(recipe.data.get("model_name_or_path", ""))
-    local = recipe.folder / name
+def _model_spec(recipe: Recipe, model: str | None, workdir: Path) -> ModelSpec | None:
+    name = model or str(recipe.data.get("model_name_or_path", ""))
+    local = workdir / name
     try:
         return load_model_spec(str(local) if local.is_dir() else name)
     except UserError:
         return None
 
 
-def _dataset_rows(recipe: Recipe) -> int | None:
+def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
     if recipe.meta.get("dataset_rows"):
         return int(recipe.meta["dataset_rows"])
     try:
-        dataset_dir = recipe.folder / str(recipe.data.get("dataset_dir", "data"))
+        dataset_dir = workdir / str(recipe.data.get("dataset_dir", "data"))
         info = json.loads((dataset_dir / "dataset_info.json").read_text())
         entry = info[str(recipe.data["dataset"]).split(",")[0].strip()]
         with (dataset_dir / entry["file_name"]).open(encoding="utf-8") as fh:
@@ -367,7 +405,8 @@ def _dataset_rows(recipe: Recipe) -> int | None:
         return None
 
 
-def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None) -> dict:
+def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None,
+              workdir: Path | None = None) -> dict:
     d = recipe.data
     cutoff = int(d.get("cutoff_len", 2048))
     fraction = 1.0 if plan.packing else float(recipe.meta.get("mean_seq_fraction", 0.75))
@@ -388,9 +427,12 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
         summary["reserved_gib"] = round(mem.reserved_gib, 2)
         summary["budget_gib"] = hardware.gpu.vram_gib
         summary["fits"] = mem.fits
+    host = host_memory(spec, plan, hardware)
+    summary["host_gib"] = round(host.total_gib, 1)
+    summary["host_ram_gib"] = host.ram_gib
     tokens_per_s = predict_tokens_per_s(spec, plan, hardware, cutoff, fraction)
     summary["predicted_tokens_per_s"] = round(tokens_per_s)
-    rows = _dataset_rows(recipe)
+    rows = _dataset_rows(recipe, workdir or recipe.folder)
     if rows:
         epochs = float(d.get("num_train_epochs", 3.0))
         total = rows * epochs * cutoff * fraction
@@ -426,17 +468,37 @@ def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
         return semantic_view(recipe), base_ref
 
 
+def recipe_workdir(recipe: Recipe, workdir: str | Path | None) -> Path:
+    """Where llamafactory-cli will run, which is what LLaMA-Factory resolves relative paths against: --workdir, else
+    the recipe's folder for lfa recipes (lfa train and lfa's launch.sh run there), else the current directory."""
+    if workdir is not None:
+        return Path(workdir)
+    return recipe.folder if recipe.meta or _launch_script(recipe) is not None else Path.cwd()
+
+
 def review_recipe(path: str | Path, hardware: str | None = None, model: str | None = None,
-                  base_ref: str | None = None) -> RecipeReview:
+                  base_ref: str | None = None, workdir: str | Path | None = None) -> RecipeReview:
+    """Every rule runs on any recipe lfa can parse: a missing or unreadable file is one finding, never an abort."""
     recipe = load_recipe(path)
     lines = key_lines(recipe.text)
     hw = recipe_hardware(recipe, hardware)
-    plan = plan_from_recipe(recipe, hw)
-    spec = _model_spec(recipe, model)
+    where = recipe_workdir(recipe, workdir)
+    unreadable_ds = None
+    try:
+        plan = plan_from_recipe(recipe, hw, where)
+    except UserError as exc:  # the DeepSpeed JSON: reported by the deepspeed_config rule; plan without it
+        unreadable_ds = str(exc)
+        plan = plan_from_recipe(Recipe(recipe.path, {k: v for k, v in recipe.data.items() if k != "deepspeed"},
+                                       recipe.meta, recipe.text), hw)
+    spec = _model_spec(recipe, model, where)
     review = RecipeReview(path=str(recipe.path))
-    review.findings = _llamafactory_findings(recipe, lines) + _lfa_findings(recipe, hw, plan, lines, spec)
+    review.findings = _llamafactory_findings(recipe, lines) + _lfa_findings(recipe, hw, plan, lines, spec, where)
+    if unreadable_ds:
+        review.findings.append(Finding("info", "memory_without_deepspeed", "memory and speed below assume no "
+                                       "DeepSpeed: its config could not be read", str(recipe.path),
+                                       lines.get("deepspeed", 1)))
     review.findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.line))
-    review.summary = summarize(recipe, hw, plan, spec)
+    review.summary = summarize(recipe, hw, plan, spec, where)
     if base_ref:
         base, review.base = _base_view(recipe.path, base_ref)
         if base is not None:
@@ -465,6 +527,8 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
                f"~{s['tokens_per_step']:,} tokens/step"
         if "reserved_gib" in s:
             line += f", {s['reserved_gib']:.1f} of {s['budget_gib']:.1f} GiB"
+        if "host_gib" in s:
+            line += f", host {s['host_gib']:.0f}" + (f" of {s['host_ram_gib']:.0f} GiB RAM" if s["host_ram_gib"] else " GiB RAM")
         if "predicted_tokens_per_s" in s:
             line += f", ~{s['predicted_tokens_per_s']:,} tok/s"
         if "predicted_wall_time_s" in s:
@@ -501,11 +565,12 @@ def _markdown(reviews: list[RecipeReview]) -> str:
                     for f in r.findings]
         else:
             out.append("No findings.")
-        out += ["", "| plan | effective batch | tokens/step | memory per GPU | predicted speed | wall time |",
-                "|---|---|---|---|---|---|",
+        out += ["", "| plan | effective batch | tokens/step | memory per GPU | host RAM per node | predicted speed | wall time |",
+                "|---|---|---|---|---|---|---|",
                 f"| `{s['plan']}` on {s['hardware']} | {s['effective_batch']} = {s['micro_batch']} x {s['grad_accum']} x "
                 f"{s['gpus']} | ~{s['tokens_per_step']:,} | "
                 + (f"{s['reserved_gib']:.1f} / {s['budget_gib']:.1f} GiB" if "reserved_gib" in s else "-") + " | "
+                + (f"{s['host_gib']:.0f} / {s['host_ram_gib'] or 0:.0f} GiB" if "host_gib" in s else "-") + " | "
                 + (f"~{s['predicted_tokens_per_s']:,} tok/s" if "predicted_tokens_per_s" in s else "-") + " | "
                 + (f"~{_duration(s['predicted_wall_time_s'])} ({s['dataset_rows']:,} rows)" if "predicted_wall_time_s" in s else "-")
                 + " |"]

@@ -26,7 +26,7 @@ def clean_recipe(tmp_path):
     shutil.copytree(REPO / "recipes" / "pseudo2norm" / "v100-32g", folder)
     (folder / "data").mkdir()
     row = {"instruction": "", "input": "# This is the pseudo code:\nint a1;\n# What is the source code?\n", "output": "int var1;"}
-    (folder / "data" / "pseudo2norm.jsonl").write_text((json.dumps(row) + "\n") * 10)
+    (folder / "data" / "pseudo2norm.jsonl").write_text((json.dumps(row) + "\n") * 640)
     return folder / "train.yaml"
 
 
@@ -51,7 +51,7 @@ def test_clean_recipe_has_no_findings(clean_recipe):
     code, [review] = _review(clean_recipe)
     assert code == 0 and review["findings"] == []
     s = review["summary"]
-    assert s["effective_batch"] == 64 and s["fits"] and s["dataset_rows"] == 10 and s["predicted_wall_time_s"] > 0
+    assert s["effective_batch"] == 64 and s["fits"] and s["dataset_rows"] == 640 and s["predicted_wall_time_s"] > 0
 
 
 def _seed_bf16(recipe):  # the seed's first crash: the paper's bf16 on a V100
@@ -201,3 +201,47 @@ def test_review_against_the_base_branch_and_lfa_diff(clean_recipe):
 def test_review_of_a_missing_recipe_is_one_error(tmp_path):
     result = run_lfa("review", tmp_path / "nope.yaml")
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_deepspeed_file_is_one_finding_and_every_other_rule_still_runs(clean_recipe):
+    """The seed's paper recipe copied without its DeepSpeed JSON: bf16 on a V100, the missing file and the memory
+    verdict all come out, in every format."""
+    _edit(clean_recipe, r"^fp16: true", "bf16: true")
+    _edit(clean_recipe, r"^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8")
+    _edit(clean_recipe, r"^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8")
+    with clean_recipe.open("a") as fh:
+        fh.write("deepspeed: ds_z2_config.json\nmax_samples: 100\n")
+    code, [review] = _review(clean_recipe)
+    rules = {f["rule"]: f for f in review["findings"]}
+    assert code == 1
+    assert {"deepspeed_config", "bf16_unsupported", "memory_over_budget", "max_samples",
+            "few_steps_per_epoch"} <= set(rules), rules
+    assert rules["deepspeed_config"]["line"] == _line_of(clean_recipe, "deepspeed")
+    assert "ds_z2_config.json" in rules["deepspeed_config"]["message"]
+    for fmt in ("text", "markdown", "github"):
+        result = run_lfa("review", clean_recipe, "--format", fmt)
+        assert result.returncode == 1 and "Traceback" not in result.stderr and "ds_z2_config.json" in result.stdout
+
+
+def test_relative_paths_resolve_where_llamafactory_runs(clean_recipe, tmp_path):
+    """LLaMA-Factory resolves dataset_dir against its working directory: reviewed for another --workdir, the
+    dataset_info.json beside the recipe is not found, and the finding says where it is."""
+    code, [review] = _review(clean_recipe, "--workdir", tmp_path)
+    [finding] = [f for f in review["findings"] if f["rule"] == "dataset_info_missing"]
+    assert finding["message"].startswith(str(tmp_path)) and "dataset_info.json does not exist" in finding["message"]
+    assert "exists relative to the recipe" in finding["message"]
+
+
+def test_offload_over_host_ram_is_an_error(clean_recipe, tmp_path):
+    """ZeRO-2 offload of the 6.7B model on a 64 GiB host: the optimizer states alone are larger than the RAM."""
+    profile = tmp_path / "v100-64g-ram.yaml"
+    text = (REPO / "templates" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 64")
+    profile.write_text(text)
+    (clean_recipe.parent / "ds_z2_offload.json").write_text(render_deepspeed(
+        Plan.from_label("fp16/mbs1xga64x1/gc/sdpa/zero2-offload-optimizer"))[1])
+    with clean_recipe.open("a") as fh:
+        fh.write("deepspeed: ds_z2_offload.json\n")
+    code, [review] = _review(clean_recipe, "--hardware", profile, "--model", "LLM4Binary/llm4decompile-6.7b-v2")
+    [finding] = [f for f in review["findings"] if f["rule"] == "host_memory_over"]
+    assert finding["severity"] == "error" and "64 GiB" in finding["message"]
+    assert review["summary"]["host_gib"] > 64
