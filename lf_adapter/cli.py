@@ -275,6 +275,57 @@ def review(recipes, hardware, model, base_ref, fmt, workdir):
     sys.exit(1 if any(r.errors for r in reviews) else 0)
 
 
+@main.command()
+@click.argument("log", type=click.Path())
+@click.option("--recipe", type=click.Path(), help="The recipe that produced LOG: write the recipe the next attempt runs.")
+@click.option("--hardware", help="Profile to plan for (default: the recipe's lfa-meta header, or detect).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Where to write the next recipe (default: RECIPE.next.yaml).")
+@click.option("--allow-hparam-change", is_flag=True, help="Let a NaN remedy lower the learning rate.")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def doctor(log, recipe, hardware, out, allow_hparam_change, as_json):
+    """Diagnose a training log from a run lfa did not supervise (e.g. a nohup'd llamafactory-cli).
+
+    Exit 0 when a remedy exists, 1 when the failure is not retriable, nothing fits or no failure was found, 2 on
+    bad input.
+
+    Example: lfa doctor nohup.out --recipe train.yaml --hardware v100-32g
+    """
+    from .doctor import diagnose
+
+    d = diagnose(Path(log), Path(recipe) if recipe else None, hardware, Path(out) if out else None,
+                 allow_hparam_change)
+    if as_json:
+        click.echo(json.dumps({"failure": d.failure.to_dict() if d.failure else None,
+                               "remedy": None if d.remedy is None else {"action": d.remedy.action, "why": d.remedy.why,
+                                                                        "plan": d.remedy.attempt.plan.label()
+                                                                        if d.remedy.attempt else None},
+                               "advice": d.advice, "written": d.written, "env": d.env}, indent=2))
+        sys.exit(d.exit_code)
+    if d.failure is None:
+        click.echo(f"{log}: no known failure in the log (lfa's classes: templates/failures/classes.yaml)")
+        sys.exit(1)
+    f = d.failure
+    click.echo(f"{log}: {f.kind} ({'retriable' if f.retriable else 'not retriable'})")
+    for line in f.evidence:
+        click.echo(f"  evidence: {line.strip()[:400]}")
+    if f.details:
+        click.echo("  details: " + ", ".join(f"{k} {v}" for k, v in f.details.items()))
+    if d.remedy is not None:
+        click.echo(("remedy" if d.remedy.attempt else "stop") + f" ({d.remedy.action}): {d.remedy.why}")
+    elif d.advice:
+        click.echo(d.advice)
+    elif recipe:
+        click.echo("no remedy applies to this recipe")
+    for path in d.written:
+        click.echo(f"wrote {path}")
+    for key, value in d.env.items():
+        click.echo(f"export {key}={value}")
+    if d.written:
+        click.echo(f"run it with: lfa train {d.written[0]} (lfa sets these variables and supervises the retries)")
+    sys.exit(d.exit_code if recipe else 0 if f.retriable else 1)
+
+
 @main.command("diff")
 @click.argument("old", type=click.Path())
 @click.argument("new", type=click.Path())

@@ -248,7 +248,22 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
         f"effective batch stays {new_plan.effective_batch_size}"))
 
 
+def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remedy | None:
+    """A remedy that moves to ZeRO-3 writes an absolute min_lr as min_lr_rate (the same schedule): transformers
+    reads optimizer.defaults for min_lr, which DeepSpeed's ZeRO-3 optimizer lacks."""
+    if remedy is None or remedy.attempt is None or remedy.attempt.plan.deepspeed != "zero3":
+        return remedy
+    converted = _env_action(remedy.attempt, "min_lr_rate", context)
+    if converted is None:
+        return remedy
+    return Remedy(remedy.action, converted[0], f"{remedy.why}; {converted[1]}")
+
+
 def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
+    return _keep_schedule_under_zero3(_next_remedy(attempt, failure, context, tried), context)
+
+
+def _next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
     """The first step of the class's ladder that was not taken yet and applies to this attempt. Steps are
     remembered in `tried` as "class:index"; a step whose action ends in * stays available while it applies."""
     if not failure.retriable or failure.kind == "unknown":

@@ -384,12 +384,18 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
 
 
 def _model_spec(recipe: Recipe, model: str | None, workdir: Path) -> ModelSpec | None:
-    name = model or str(recipe.data.get("model_name_or_path", ""))
-    local = workdir / name
-    try:
-        return load_model_spec(str(local) if local.is_dir() else name)
-    except UserError:
-        return None
+    """--model, else the recipe's model_name_or_path, else the shape lfa generated it for (a stage-2 recipe's
+    model is stage 1's output, which does not exist before stage 1 has trained)."""
+    for name in (model, str(recipe.data.get("model_name_or_path", "")), recipe.meta.get("model")):
+        if not name:
+            continue
+        local = workdir / name
+        try:
+            return load_model_spec(str(local) if local.is_dir() else name)
+        except UserError:
+            if name == model:
+                return None
+    return None
 
 
 def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:

@@ -111,3 +111,92 @@ def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
     recipe_file.write_text("learning_rate: 3.0e-6\nlr_scheduler_kwargs:\n  min_lr: 3.0e-7\nwarmup_ratio: 0.02\n")
     resolved = yaml.safe_load(_resolved_text(load_recipe(recipe_file), remedy.attempt.keys, [remedy.why]))
     assert resolved == {"learning_rate": 3e-6, "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "warmup_ratio": 0.02}
+
+
+SIX_7B = "LLM4Binary/llm4decompile-6.7b-v2"
+
+
+def _seed_failure():
+    return classify((FIXTURES / "cuda_oom_seed_v100.log").read_text().splitlines(), 1)
+
+
+def _context(hardware, **kw):
+    from lf_adapter.model_spec import load_model_spec
+
+    return Context(hardware=hardware, model=load_model_spec(SIX_7B), seq_len=2048, **kw)
+
+
+def test_seed_oom_is_replanned_by_the_memory_model_to_a_plan_that_fits_gpu_and_host():
+    from lf_adapter.memory import estimate, host_memory
+
+    failure = _seed_failure()
+    assert failure.details["allocated_gib"] == 27.81 and failure.details["capacity_gib"] == 31.73
+    hardware = load_profile("v100-32g")
+    context = _context(hardware, learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
+    paper = Plan.from_label("fp16/mbs8xga8x1/gc/auto/zero2")
+    remedy = next_remedy(Attempt(paper), failure, context, set())
+    new = remedy.attempt.plan
+    assert remedy.action == "replan" and new.offload != "none" and new.precision == "fp16"
+    assert new.effective_batch_size == 64
+    assert estimate(context.model, new, 2048, 31.73).fits and host_memory(context.model, new, hardware).fits
+    if new.deepspeed == "zero3":  # the schedule moves to min_lr_rate with it
+        assert remedy.attempt.keys["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+
+
+def test_oom_with_no_plan_for_gpu_and_host_stops_at_once_with_what_would_fit():
+    import dataclasses
+
+    small_host = dataclasses.replace(load_profile("v100-32g"), ram_gib=64.0)
+    remedy = next_remedy(Attempt(Plan.from_label("fp16/mbs8xga8x1/gc/sdpa/zero2")), _seed_failure(),
+                         _context(small_host), set())
+    assert remedy.attempt is None and remedy.action == "no_plan_fits"
+    assert "64 GiB of RAM" in remedy.why and "GPUs of this kind" in remedy.why and "smaller model" in remedy.why
+
+
+def test_fragmentation_alone_only_when_the_model_says_the_plan_fits():
+    """1.3B on the capped H200: the plan fits, and 1.63 GiB cached-but-free cannot serve 1.97 GiB asked -> replan;
+    with 2.5 GiB cached-but-free it can -> expandable segments only."""
+    from lf_adapter.model_spec import load_model_spec
+    from lf_adapter.monitor import Failure
+
+    context = Context(hardware=load_profile("h200-capped-32g"), model=load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"))
+    plan = Plan.from_label("fp16/mbs8xga8x1/gc/liger/sdpa")
+    details = {"asked_gib": 1.0, "capacity_gib": 139.8, "allowed_gib": 31.73, "allocated_gib": 20.0,
+               "reserved_unallocated_gib": 2.5}
+    remedy = next_remedy(Attempt(plan), Failure("cuda_oom", True, ["x"], details), context, set())
+    assert remedy.action == "fragmentation" and remedy.attempt.plan == plan.replace(alloc_conf="expandable_segments:True")
+    details.update(reserved_unallocated_gib=0.5, allocated_gib=29.0, asked_gib=1.97)
+    remedy = next_remedy(Attempt(plan), Failure("cuda_oom", True, ["x"], details), context, set())
+    assert remedy.action == "replan" and remedy.attempt.plan.effective_batch_size == 64
+
+
+def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
+    import json
+    import shutil
+
+    from conftest import run_lfa
+
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text("model_name_or_path: LLM4Binary/llm4decompile-6.7b-v2\nstage: sft\ndo_train: true\n"
+                      "finetuning_type: full\ndeepspeed: ds_z2_config.json\ndataset: pseudo2norm\n"
+                      "template: sk2decompile\ncutoff_len: 2048\noutput_dir: saves/p2n\n"
+                      "per_device_train_batch_size: 8\ngradient_accumulation_steps: 8\nlearning_rate: 3.0e-6\n"
+                      "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr: 3.0e-7}\nfp16: true\n")
+    (tmp_path / "ds_z2_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    shutil.copy(FIXTURES / "cuda_oom_seed_v100.log", tmp_path / "nohup.out")
+    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", "v100-32g", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["failure"]["kind"] == "cuda_oom" and "offload" in report["remedy"]["plan"]
+    from lf_adapter.recipe_file import load_recipe, plan_from_recipe
+
+    written = load_recipe(tmp_path / "train.next.yaml")
+    plan = plan_from_recipe(written, load_profile("v100-32g"))
+    assert plan.offload != "none" and plan.effective_batch_size == 64 and plan.label() == report["remedy"]["plan"]
+    assert report["env"]["FORCE_TORCHRUN"] == "1"
+    # exit codes: not retriable -> 1, no failure -> 1, missing file -> 2
+    assert run_lfa("doctor", FIXTURES / "config_unknown_key.log").returncode == 1
+    (tmp_path / "fine.log").write_text("{'loss': 1.0}\ntraining finished\n")
+    assert run_lfa("doctor", tmp_path / "fine.log").returncode == 1
+    missing = run_lfa("doctor", tmp_path / "nope.log")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
