@@ -115,14 +115,27 @@ def _print_plan(gen_or_result, model, hardware) -> None:
         click.echo(f"  {gib:8.2f}  {item}")
     limit = c.memory.limit_gib
     click.echo(f"  {c.memory.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f})" if limit else ""))
+    _print_host(c.host)
     if result.runners_up:
         click.echo("runners-up:")
         for r in result.runners_up:
-            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB  {r.tokens_per_s:10,.0f} tok/s")
+            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB  host {r.host.total_gib:6.1f} GiB  "
+                       f"{r.tokens_per_s:10,.0f} tok/s")
     if result.rejected:
         click.echo("rejected (do not fit):")
         for r in result.rejected[:3]:
-            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB")
+            why = "GPU" if not r.memory.fits else "host RAM"
+            click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB  host {r.host.total_gib:6.1f} GiB "
+                       f"({why})")
+
+
+def _print_host(host) -> None:
+    click.echo(f"host RAM per node (GiB, {host.phase} peaks):")
+    for item, gib in host.items.items():
+        click.echo(f"  {gib:8.2f}  {item}")
+    limit = host.limit_gib
+    click.echo(f"  {host.total_gib:8.2f}  at peak" + (f" (limit {limit:.2f} of {host.ram_gib:.0f}): " +
+                                                      ("fits" if host.fits else "DOES NOT FIT") if limit else ""))
 
 
 @main.command()
@@ -210,10 +223,10 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
 
     Example: lfa estimate recipes/pseudo2norm/v100-32g/train.yaml
     """
-    from .memory import estimate as run_estimate
+    from .memory import estimate as run_estimate, host_memory
     from .model_spec import load_model_spec
     from .planner import PlanOptions, plan
-    from .recipe_file import load_recipe, plan_from_recipe, recipe_hardware
+    from .recipe_file import load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
     from .hardware import load_profile
     from .tasks import load_task
 
@@ -221,20 +234,21 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
         r = load_recipe(recipe)
         hw = recipe_hardware(r, hardware)
         p = plan_from_recipe(r, hw)
-        model_name = r.meta.get("model") or str(r.data.get("model_name_or_path"))
-        if not Path(model_name).is_dir() and (r.folder / model_name).is_dir():
-            model_name = str(r.folder / model_name)
-        spec = load_model_spec(model or model_name)
+        spec = recipe_model_spec(r, model=model)
         mem = run_estimate(spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None)
+        host = host_memory(spec, p, hw)
         if as_json:
-            click.echo(json.dumps({"plan": p.label(), "model": spec.name, "params": spec.num_params, **mem.to_dict()}, indent=2))
-            return
+            click.echo(json.dumps({"plan": p.label(), "model": spec.name, "params": spec.num_params, **mem.to_dict(),
+                                   "host": host.to_dict()}, indent=2))
+            sys.exit(0 if mem.fits and host.fits else 1)
         click.echo(f"{r.path}: {p.label()} ({spec.name}, {spec.num_params / 1e9:.2f} B params, on {hw.name})")
+        click.echo("memory per GPU (GiB):")
         for item, gib in mem.items.items():
             click.echo(f"  {gib:8.2f}  {item}")
         limit = mem.limit_gib
         click.echo(f"  {mem.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f}): " + ("fits" if mem.fits else "DOES NOT FIT") if limit else ""))
-        sys.exit(0 if mem.fits else 1)
+        _print_host(host)
+        sys.exit(0 if mem.fits and host.fits else 1)
     if not task:
         raise UserError("give a RECIPE or --task")
     t = load_task(task)

@@ -31,6 +31,7 @@ class GPUSpec:
     compute_capability: str  # "8.0"
     peak_tflops_16bit: float = 0.0
     hbm_tbps: float = 0.0
+    host_link_gbs: float = 0.0  # GPU <-> host copy rate, GB/s (PCIe gen3 x16 ~12, gen4 ~24, gen5 ~48); 0: unknown
 
     @property
     def cc(self) -> tuple[int, int]:

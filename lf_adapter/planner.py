@@ -107,14 +107,20 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     if plan.deepspeed == "zero3":  # its per-module hooks cost time even when there is nothing to gather
         zero3_fetch_s += t["zero3_hook_s_per_layer"] * model.num_layers
     if plan.deepspeed == "zero3" and plan.offload == "all":
-        zero3_fetch_s += 2 * 2.0 * model.num_params / t["pcie_bytes_per_s"]
+        zero3_fetch_s += 2 * 2.0 * model.num_params / host_link_bytes_per_s(hardware)
     elif plan.deepspeed == "zero3" and plan.world_size > 1:
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
     partition = model.num_params / (plan.world_size if plan.deepspeed else 1)
     step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
     if plan.offload != "none":  # CPU Adam over the partition; 16-bit gradients down and parameters back up
-        step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / t["pcie_bytes_per_s"]
+        link = host_link_bytes_per_s(hardware)
+        step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / link
+        if plan.deepspeed != "zero3" and plan.grad_accum > 1:
+            # ZeRO-1/2 offload accumulates in pinned host buffers: after the first micro-batch each one copies the
+            # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
+            # async_accumulate_grad_in_cpu_via_gpu)
+            step_s += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
     if plan.world_size > 1:
         step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
     return real_tokens * plan.grad_accum * plan.world_size / step_s
@@ -123,6 +129,14 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
 def _link_bytes_per_s(hardware: HardwareProfile) -> float:
     t = coefficients()["throughput"]
     return t["nvlink_bytes_per_s"] if hardware.interconnect == "nvlink" else t["pcie_bytes_per_s"]
+
+
+def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
+    """GPU <-> host copies (offload): the profile's PCIe rate times the share pinned copies reach, else the
+    coefficient fitted on the H200."""
+    t = coefficients()["throughput"]
+    gbs = hardware.gpu.host_link_gbs if hardware.gpu else 0.0
+    return gbs * 1e9 * t["host_link_efficiency"] if gbs else t["pcie_bytes_per_s"]
 
 
 def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions):

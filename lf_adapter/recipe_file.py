@@ -120,11 +120,21 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | 
     )
 
 
-def recipe_model_spec(recipe: Recipe, workdir: Path | None = None) -> ModelSpec:
-    """The shape of the recipe's model_name_or_path: a local folder resolved as LLaMA-Factory resolves it (against
-    the directory it runs in; lfa train runs it in the recipe's folder), or a hub id of lfa's catalog."""
+def recipe_model_spec(recipe: Recipe, workdir: Path | None = None, model: str | None = None) -> ModelSpec:
+    """The shape to plan for: `model` if given, else the recipe's model_name_or_path (a local folder resolved as
+    LLaMA-Factory resolves it, against the directory it runs in, which for lfa train is the recipe's folder; or a
+    hub id of lfa's catalog), else the shape lfa generated the recipe for (a stage-2 recipe's model is stage 1's
+    output, which does not exist before stage 1 has trained)."""
+    if model:
+        local = Path(model)
+        return load_model_spec(model if local.is_dir() else model)
     name = str(recipe.data.get("model_name_or_path") or "")
     if not name:
         raise UserError(f"{recipe.path} has no model_name_or_path")
     local = (workdir or recipe.folder) / name
-    return load_model_spec(str(local) if local.is_dir() else name)
+    try:
+        return load_model_spec(str(local) if local.is_dir() else name)
+    except UserError:
+        if recipe.meta.get("model"):
+            return load_model_spec(str(recipe.meta["model"]))
+        raise

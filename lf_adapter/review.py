@@ -25,7 +25,7 @@ from .model_spec import ModelSpec, load_model_spec
 from .plan import Plan
 from .planner import predict_tokens_per_s
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
-from .recipe_file import LlamaFactoryLoader, Recipe, load_recipe, plan_from_recipe, recipe_hardware
+from .recipe_file import LlamaFactoryLoader, Recipe, load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .tasks import chat_template_files, task_files, load_task
 
 SEVERITIES = ("error", "warning", "info")
@@ -384,18 +384,10 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
 
 
 def _model_spec(recipe: Recipe, model: str | None, workdir: Path) -> ModelSpec | None:
-    """--model, else the recipe's model_name_or_path, else the shape lfa generated it for (a stage-2 recipe's
-    model is stage 1's output, which does not exist before stage 1 has trained)."""
-    for name in (model, str(recipe.data.get("model_name_or_path", "")), recipe.meta.get("model")):
-        if not name:
-            continue
-        local = workdir / name
-        try:
-            return load_model_spec(str(local) if local.is_dir() else name)
-        except UserError:
-            if name == model:
-                return None
-    return None
+    try:
+        return recipe_model_spec(recipe, workdir, model)
+    except UserError:
+        return None
 
 
 def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
