@@ -155,6 +155,8 @@ class TrainerLogWatcher:
         self.follower, self.reader = FileFollower(path), LineReader(tail=50)
         self.last: dict | None = None
         self.nonfinite_streak = 0
+        self.last_finite_step: int | None = None  # newest step whose logged loss and grad norm were finite
+        self.first_nonfinite_step: int | None = None
 
     def poll(self) -> list[dict]:
         records = []
@@ -166,6 +168,11 @@ class TrainerLogWatcher:
             if "loss" in record or "grad_norm" in record:
                 bad = not (_finite(record.get("loss")) and _finite(record.get("grad_norm")))
                 self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
+                step = record.get("current_steps")
+                if bad and self.first_nonfinite_step is None:
+                    self.first_nonfinite_step = step
+                elif not bad and self.first_nonfinite_step is None:
+                    self.last_finite_step = step
             self.last = record
             records.append(record)
         return records

@@ -5,6 +5,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+# lfa's attention names -> LLaMA-Factory's flash_attn values (AttentionFunction: auto, disabled, sdpa, fa2, fa3);
+# transformers' "eager" is LLaMA-Factory's "disabled"
+LF_FLASH_ATTN = {"auto": "auto", "sdpa": "sdpa", "fa2": "fa2", "fa3": "fa3", "eager": "disabled"}
+ATTENTION_FROM_LF = {lf: ours for ours, lf in LF_FLASH_ATTN.items()}
+
+
 @dataclass(frozen=True)
 class Plan:
     precision: str  # bf16 | fp16 | fp32
@@ -27,6 +33,11 @@ class Plan:
     @property
     def effective_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def flash_attn(self) -> str:
+        """The recipe's flash_attn value for this plan's attention."""
+        return LF_FLASH_ATTN[self.attention]
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)

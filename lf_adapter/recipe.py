@@ -13,6 +13,7 @@ from .data import profile_dataset
 from .hardware import HardwareProfile, installed_versions, load_profile
 from .model_spec import ModelSpec, load_model_spec
 from .memory import host_memory
+from .plan import LF_FLASH_ATTN
 from .planner import PlanOptions, PlanResult, plan
 from .recipe_file import load_recipe, parse_value
 from .render import RecipeInputs, relative_to_dir, render_recipe
@@ -83,6 +84,8 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         fixed[key] = value
     if fixed.get("deepspeed") not in (None, "zero2", "zero3"):
         raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
+    if fixed.get("attention", "sdpa") not in LF_FLASH_ATTN:
+        raise UserError(f"--pin attention={fixed['attention']}: use one of {', '.join(LF_FLASH_ATTN)}")
     if fixed.get("offload", "none") not in ("none", "optimizer", "all"):
         raise UserError(f"--pin offload={fixed['offload']}: use none, optimizer or all")
     return fixed

@@ -11,7 +11,7 @@ import yaml
 from . import UserError
 from .hardware import HardwareProfile, load_profile, profile_from_dict
 from .model_spec import ModelSpec, load_model_spec
-from .plan import Plan
+from .plan import ATTENTION_FROM_LF, Plan
 
 
 @dataclass
@@ -111,7 +111,7 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | 
         world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
         gradient_checkpointing=not truthy(d.get("disable_gradient_checkpointing", False)),
         liger=truthy(d.get("enable_liger_kernel", False)),
-        attention=str(d.get("flash_attn", "auto")),
+        attention=ATTENTION_FROM_LF.get(str(d.get("flash_attn", "auto")), str(d.get("flash_attn", "auto"))),
         deepspeed=deepspeed, offload=offload,
         packing=truthy(d.get("packing", False)) or truthy(d.get("neat_packing", False)),
         sorted_steps=bool(recipe.meta.get("sorted_steps", False)),

@@ -147,6 +147,14 @@ def _quiet():
         yield
 
 
+def _choices(annotation) -> list[str]:
+    import enum
+
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [str(member.value) for member in annotation]
+    return []
+
+
 def _accepts(annotation, value) -> bool:
     """Does a YAML value fit a dataclass field annotation (loosely: the scalar kinds that matter)?"""
     import enum
@@ -171,7 +179,7 @@ def _accepts(annotation, value) -> bool:
     if annotation is str:
         return isinstance(value, str)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return isinstance(value, str)
+        return isinstance(value, str) and value in {str(member.value) for member in annotation}
     return True
 
 
@@ -195,8 +203,12 @@ def _llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Findin
                                     f"is read as the boolean {str(value).lower()} (YAML 1.1), but {key} takes a "
                                     f"string: quote it, e.g. {key}: \"no\"", path, lines.get(key, 1)))
         elif not _accepts(fields[key], value):
+            choices = _choices(fields[key])
             findings.append(Finding("error", "wrong_type", f"`{key}: {value!r}` does not fit {key}'s type "
-                                    f"({getattr(fields[key], '__name__', fields[key])})", path, lines.get(key, 1)))
+                                    f"({getattr(fields[key], '__name__', fields[key])})" +
+                                    (f": one of {', '.join(choices)}" if choices else "") +
+                                    ("; transformers' eager attention is `disabled` in LLaMA-Factory"
+                                     if key == "flash_attn" and value == "eager" else ""), path, lines.get(key, 1)))
     if any(f.severity == "error" for f in findings):
         return findings  # the parser would stop at the first of these
     from llamafactory.hparams.parser import get_train_args

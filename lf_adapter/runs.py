@@ -55,7 +55,7 @@ def plan_keys(plan: Plan) -> dict:
         "fp16": plan.precision == "fp16",
         "disable_gradient_checkpointing": not plan.gradient_checkpointing,
         "enable_liger_kernel": plan.liger,
-        "flash_attn": plan.attention,
+        "flash_attn": plan.flash_attn,
         "packing": plan.packing,
         "deepspeed": deepspeed_file_name(plan),
     }
@@ -91,14 +91,32 @@ def is_complete_checkpoint(path: Path) -> bool:
     return (path / "trainer_state.json").is_file() and weights and optimizer
 
 
-def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | None:
-    """The highest-step checkpoint that was fully written; incomplete ones are renamed aside, never deleted,
-    so LLaMA-Factory's own auto-resume cannot pick them."""
+def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for path in output_dir.glob("checkpoint-*"):
         match = re.fullmatch(r"checkpoint-(\d+)", path.name)
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
+    return found
+
+
+def set_aside_poisoned_checkpoints(output_dir: Path, last_finite_step: int | None) -> list[str]:
+    """After a divergence: a checkpoint holds the weights after its step, which the next step's loss is the first
+    to use; only checkpoints before the last step whose logged loss was finite are trusted. The others are renamed
+    aside (never deleted), so neither lfa nor LLaMA-Factory's auto-resume picks them."""
+    moved = []
+    for step, path in _checkpoints(output_dir):
+        if last_finite_step is None or step >= last_finite_step:
+            aside = path.with_name(f"diverged-{path.name}-{int(time.time())}")
+            path.rename(aside)
+            moved.append(aside.name)
+    return moved
+
+
+def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | None:
+    """The highest-step checkpoint that was fully written; incomplete ones are renamed aside, never deleted,
+    so LLaMA-Factory's own auto-resume cannot pick them."""
+    found = _checkpoints(output_dir)
     best = None
     for step, path in sorted(found, reverse=True):
         if best is None and is_complete_checkpoint(path):
@@ -264,8 +282,10 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         gpu_probe.close()
         reader.feed(follower.read_new())
         reader.flush()
+        watcher.poll()
         result.update(returncode=returncode, duration_s=round(time.time() - started, 2), started_at=started,
-                      ended_at=time.time())
+                      ended_at=time.time(), last_finite_step=watcher.last_finite_step,
+                      first_nonfinite_step=watcher.first_nonfinite_step)
         result["tail"] = list(reader.tail)
     interrupted["process"] = None
     return result
@@ -399,6 +419,11 @@ def supervise(request: TrainRequest) -> int:
             failure = classify(tail, result["returncode"])
             if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
                 failure = classify(["lfa: non-finite loss or grad_norm"], None)
+            if failure is not None and failure.kind == "nan_loss" and output_dir.exists() and not request.node_rank:
+                trusted_until = result["last_finite_step"]
+                if trusted_until is None and checkpoint is not None:  # diverged at once: keep what it resumed from
+                    trusted_until = int(checkpoint.name.rsplit("-", 1)[1]) + 1
+                record["diverged_checkpoints_set_aside"] = set_aside_poisoned_checkpoints(output_dir, trusted_until)
             record.update(result, failure=failure.to_dict() if failure else None)
             previous_changes = changes
             if failure is None:

@@ -185,3 +185,22 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     ds_file = recipe.parent / second["overrides"]["deepspeed"]
     zero = json.loads(ds_file.read_text())["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu"
+
+
+def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_value_lf_accepts(cpu_recipe, tmp_path):
+    """Weights poisoned at step 6 (a real NaN loss follows): the checkpoint saved after it is set aside, the retry
+    runs eager attention as LLaMA-Factory spells it (flash_attn: disabled) from checkpoint-5 and finishes."""
+    recipe = cpu_recipe("max_steps=16", extra=("--save-steps", "5", "--logging-steps", "1"))
+    run_dir = tmp_path / "run"
+    result = run_lfa("train", recipe, "--run-dir", run_dir, "--max-attempts", "3",
+                     env={"LFA_INJECT_NAN_AT_STEP": "6", "LFA_STEP_DELAY_S": "0.3"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, second = _ledger(run_dir)["attempts"]
+    assert first["failure"]["kind"] == "nan_loss" and first["remedy"]["action"] == "eager_attention"
+    assert first["last_finite_step"] == 6 and first["first_nonfinite_step"] == 7
+    assert all(name.startswith("diverged-checkpoint-") for name in first["diverged_checkpoints_set_aside"])
+    assert second["overrides"]["flash_attn"] == "disabled" and second["resumed_from"].endswith("checkpoint-5")
+    output = recipe.parent / "saves" / "pseudo2norm"
+    logs = [r for r in _losses(output) if "loss" in r and r["current_steps"] > 5]
+    finite = [r for r in logs if r["loss"] == r["loss"]]
+    assert finite[-1]["current_steps"] == 16 and second["last_step"] == 16

@@ -5,7 +5,8 @@ Environment (set by `lfa train`, or by tests and benchmarks):
   LFA_EMULATE_VRAM_GIB      cap the CUDA caching allocator to emulate a smaller card (real CUDA OOMs)
   LFA_INJECT_OOM_ABOVE_MBS  raise torch's real OutOfMemoryError when the micro-batch is larger (CPU tests)
   LFA_INJECT_OOM_MESSAGE    the text of that error (default: an OOM of a 31.73 GiB card)
-  LFA_INJECT_NAN_AT_STEP    poison the weights with NaN at this optimizer step (real NaN loss follows)
+  LFA_INJECT_NAN_AT_STEP    poison the weights with NaN at this optimizer step (real NaN loss follows), once per
+                            output_dir
   LFA_STEP_DELAY_S          sleep this long after each step (gives kill/resume tests a window)
   LFA_SORTED_STEPS          length-sorted micro-batches inside each optimizer step (hooks.py, sampler.py)
   LFA_DROP_PADDING_MASK     no padding mask for right-padded text batches (hooks.drop_right_padding_mask)
@@ -144,9 +145,12 @@ class FaultInjectionCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         nan_step = os.environ.get("LFA_INJECT_NAN_AT_STEP")
-        if nan_step and state.global_step == int(nan_step) and model is not None:
+        marker = os.path.join(args.output_dir, "lfa-nan-injected")
+        if nan_step and state.global_step == int(nan_step) and model is not None and not os.path.exists(marker):
             import torch
 
+            with open(marker, "w") as fh:  # once per output_dir: a divergence that a resumed retry can get past
+                fh.write(str(state.global_step))
             with torch.no_grad():
                 for param in model.parameters():
                     param.fill_(float("nan"))
