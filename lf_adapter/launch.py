@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,15 +98,63 @@ def start(command: list[str], cwd: Path, env: dict[str, str], log_file) -> subpr
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def stop_group(process: subprocess.Popen, grace_s: float = 20.0) -> int:
-    """SIGINT the whole group (the trainer saves and exits), then SIGTERM, then SIGKILL."""
+def stop_group(process: subprocess.Popen, grace_s: float = 120.0) -> int:
+    """Stop a trainer lfa started (stop_process_group) and reap its leader."""
+    stop_process_group(process.pid, grace_s, process)
+    return process.wait()
+
+
+def stop_process_group(pgid: int, grace_s: float = 120.0, leader: subprocess.Popen | None = None) -> None:
+    """SIGINT the whole group (lfa's plugin makes the trainer save a checkpoint at the end of the step and exit),
+    then SIGTERM, then SIGKILL; each stage waits for every process of the group, not only its leader (torchrun's
+    workers may outlive the llamafactory-cli that started them)."""
+    def running() -> bool:
+        return (leader is not None and leader.poll() is None) or group_alive(pgid)
+
     for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             break
+        deadline = time.time() + wait
+        while time.time() < deadline and running():
+            time.sleep(0.1)
+        if not running():
+            break
+
+
+def alive(pid: int | None) -> bool:
+    """A live, non-zombie process."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
         try:
-            return process.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def group_alive(pgid: int | None) -> bool:
+    """Does any process of this process group remain (zombies excepted)?"""
+    if not pgid:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
             continue
-    return process.wait()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -11,46 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import UserError
+from .launch import alive, group_alive
 from .monitor import FileFollower, fold_event
 
 FINAL = {"succeeded", "failed", "stopped"}
-
-
-def alive(pid: int | None) -> bool:
-    """A live, non-zombie process."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-
-def group_alive(pgid: int | None) -> bool:
-    """Does any process of this process group remain (zombies excepted)?"""
-    if not pgid:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def resolve_run_dir(run: str) -> Path:

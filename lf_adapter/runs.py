@@ -18,7 +18,8 @@ import click
 from . import UserError
 from .hardware import GpuMemoryProbe, installed_versions
 from .model_spec import ModelSpec, load_model_spec
-from .launch import launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group
+from .launch import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
+                     stop_process_group)
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
 from .plan import Plan
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
@@ -311,6 +312,55 @@ def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
     return "\n".join(header + lines + extra) + "\n"
 
 
+LOCK_NAME = ".lfa-train.lock"
+
+
+def hold_run_locks(run_dir: Path, output_dir: Path) -> list:
+    """One supervisor per run folder and per output_dir: an exclusive flock on each, held for the life of this
+    process (the kernel drops it when the process dies, kill -9 included). A second `lfa train` of the same run
+    name or recipe stops here with who holds it."""
+    import fcntl
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    held = []
+    for path in (run_dir / LOCK_NAME, output_dir / LOCK_NAME):
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another lfa train"
+            handle.close()
+            for other in held:
+                other.close()
+            raise UserError(f"{path.parent} is in use by {holder}: one supervisor per run. Follow it with "
+                            "`lfa status` / `lfa logs -f`, or end it with `lfa stop`") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"lfa train (pid {os.getpid()}, run {run_dir})\n")
+        handle.flush()
+        held.append(handle)
+    return held
+
+
+def end_orphaned_trainer(run_dir: Path) -> str | None:
+    """A trainer whose supervisor died (kill -9) keeps its process group; its plugin saves and stops within a
+    step once it notices, but a new supervisor must not start a second trainer beside it: end it first."""
+    from .run_control import read_ledger
+
+    if not (run_dir / "ledger.json").is_file():
+        return None
+    try:
+        attempts = read_ledger(run_dir).get("attempts", [])
+    except UserError:
+        return None
+    trainer = next((a.get("trainer_pid") for a in reversed(attempts) if a.get("trainer_pid")), None)
+    if not group_alive(trainer):
+        return None
+    stop_process_group(trainer)
+    return f"ended the orphaned trainer (process group {trainer}) of a supervisor that died, before starting again"
+
+
 def _planning_model(recipe: Recipe) -> ModelSpec | None:
     """The shape OOM recovery plans for; None (the plain ladder) when lfa cannot know it. LFA_EMULATE_MODEL names
     another shape: fault-injection tests emulate a 6.7B OOM while a tiny model trains on the CPU."""
@@ -330,9 +380,14 @@ def supervise(request: TrainRequest) -> int:
     run_dir = (request.run_dir or Path("runs") / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
+    locks = hold_run_locks(run_dir, output_dir)
+    ended_orphan = end_orphaned_trainer(run_dir)
     if request.fresh and output_dir.exists():
         import shutil
-        shutil.rmtree(output_dir)
+
+        for child in output_dir.iterdir():
+            if child.name != LOCK_NAME:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
     ledger = Ledger(run_dir, recipe.path)
     rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
                                                             ("MASTER_ADDR", request.master_addr),
@@ -378,6 +433,9 @@ def supervise(request: TrainRequest) -> int:
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
     ledger.data.update(status="running", supervisor_pid=os.getpid())
+    if ended_orphan:
+        ledger.data.setdefault("notes", []).append(ended_orphan)
+        reporter.event("orphan", f"lfa: {ended_orphan}", note=ended_orphan)
     ledger.save()
     previous_changes: dict = {}
     try:
@@ -397,6 +455,7 @@ def supervise(request: TrainRequest) -> int:
             env = resolve_env(entries)
             env.update(attempt.env)
             env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
+            env["LFA_SUPERVISOR_PID"] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
             env.update(rendezvous_env)
             command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()])
             record = {"n": n, "started": dt.datetime.now().isoformat(timespec="seconds"), "plan": attempt.plan.label(),
@@ -480,6 +539,8 @@ def supervise(request: TrainRequest) -> int:
         reporter.end_progress()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        for lock in locks:
+            lock.close()
 
 
 @dataclass

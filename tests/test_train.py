@@ -120,6 +120,10 @@ def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
     assert ledger["status"] == "stopped"
     pid = ledger["attempts"][0]["trainer_pid"]
     assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
+    # the plugin saved the work since the last save (save_steps is 500) before stopping
+    steps = [e["global_step"] for e in _events(run_dir) if e["event"] == "step"]
+    saves = [e["global_step"] for e in _events(run_dir) if e["event"] == "save"]
+    assert saves == [steps[-1]] and (recipe.parent / "saves" / "pseudo2norm" / f"checkpoint-{steps[-1]}").is_dir()
 
 
 def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe, tmp_path):
@@ -204,3 +208,30 @@ def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_va
     logs = [r for r in _losses(output) if "loss" in r and r["current_steps"] > 5]
     finite = [r for r in logs if r["loss"] == r["loss"]]
     assert finite[-1]["current_steps"] == 16 and second["last_step"] == 16
+
+
+def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
+    run_dir = tmp_path / "run"
+    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+    assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
+    # a second lfa train of the same run, and of the same recipe under another name: refused, nothing started
+    for extra in ((), ("--name", "other")):
+        second = run_lfa("train", recipe, *(("--run-dir", run_dir) if not extra else extra), cwd=tmp_path)
+        assert second.returncode == 2 and "in use by lfa train" in second.stderr, second.stdout + second.stderr
+    assert len(_ledger(run_dir)["attempts"]) == 1
+    trainer = _ledger(run_dir)["attempts"][0]["trainer_pid"]
+    supervisor.kill()
+    supervisor.communicate()
+    # the trainer notices that its supervisor is gone, saves a checkpoint and stops by itself
+    gone = lambda: not os.path.exists(f"/proc/{trainer}") or "Z" in open(f"/proc/{trainer}/stat").read().split()[2]
+    assert _wait_for(gone, 60)
+    saves = [e["global_step"] for e in _events(run_dir) if e["event"] == "save"]
+    assert len(saves) == 1
+    status = json.loads(run_lfa("status", run_dir, "--json").stdout)[0]
+    assert status["state"] == "dead"
+    # lfa train again resumes from that checkpoint; no step is trained twice
+    resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=400", env={"LFA_STEP_DELAY_S": "0"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    second = _ledger(run_dir)["attempts"][1]
+    assert second["resumed_from"].endswith(f"checkpoint-{saves[0]}") and second["first_step"] == saves[0] + 1

@@ -159,8 +159,66 @@ class FaultInjectionCallback(TrainerCallback):
             time.sleep(float(delay))
 
 
+class GracefulStopCallback(TrainerCallback):
+    """`lfa stop`, Ctrl-C and a vanished supervisor end training at the next optimizer step with a checkpoint, so
+    the work since the last save is kept and the next `lfa train` resumes from it. A second signal stops at once."""
+
+    requested: str | None = None
+
+    def __init__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, self._on_signal)
+        supervisor = os.environ.get("LFA_SUPERVISOR_PID")
+        if supervisor:
+            threading.Thread(target=self._watch_supervisor, args=(int(supervisor),), daemon=True).start()
+
+    @classmethod
+    def _on_signal(cls, signum, frame):
+        import signal
+
+        if cls.requested:  # the second time: stop now, without a checkpoint
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        cls.requested = f"signal {signum}"
+        print(f"lfa: {signal.Signals(signum).name} received: saving a checkpoint at the end of this step, then "
+              "stopping (send it again to stop at once)", flush=True)
+
+    @classmethod
+    def _watch_supervisor(cls, pid: int) -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"lfa: the supervisor (pid {pid}) is gone: saving a checkpoint and stopping, so that no trainer "
+                      "runs on without one (`lfa train` again resumes)", flush=True)
+                cls.requested = "supervisor gone"
+                return
+            except PermissionError:
+                pass
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = GracefulStopCallback.requested is not None
+        if args.world_size > 1:  # every rank must stop (and save, a collective) at the same step
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+                flag = torch.tensor([1.0 if requested else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                requested = flag.item() > 0
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 def build() -> list:
-    callbacks = [FaultInjectionCallback()]
+    callbacks = [FaultInjectionCallback(), GracefulStopCallback()]
     if os.environ.get("LFA_EVENTS_FILE"):
         callbacks.append(EventsCallback(os.environ["LFA_EVENTS_FILE"]))
     return callbacks
