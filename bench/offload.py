@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO / "bench"))
 RUNS = {
     "plain_1.3b": ("model", []),
     "z2off_1.3b": ("model", ["deepspeed=zero2", "offload=optimizer"]),
+    "z2off_1.3b_ga8": ("model", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
     "z3off_1.3b": ("model", ["deepspeed=zero3", "offload=all"]),
     "z3off_6.7b": ("model_6.7b", ["deepspeed=zero3", "offload=all", "micro_batch_size=8"]),
     "z2off_6.7b_ga8": ("model_6.7b", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
