@@ -18,7 +18,8 @@ from lf_adapter.planner import predict_tokens_per_s  # noqa: E402
 
 MEAN_FRACTION = 1475 / 2048
 PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200",
-           "h200_zero3": "h200", "h200_zero3_offload": "h200"}
+           "h200_zero3": "h200", "h200_zero3_offload": "h200", "z2off_1.3b": "h200", "z2off_1.3b_ga8": "h200",
+           "z3off_1.3b": "h200", "plain_1.3b": "h200"}
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
@@ -32,14 +33,15 @@ def plan_of(label: str, row: dict) -> Plan | None:
 
 def main() -> None:
     runs = sys.argv[1:] or [*sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
-                            "bench/results/h200_session10/seed_deepspeed.json"]
+                            "bench/results/h200_session10/seed_deepspeed.json",
+                            *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json"))]
     spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
     worst = 0.0
     print(f"{'run':28s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for run in runs:
         for label, row in json.loads(Path(run).read_text()).items():
             plan = plan_of(label, row)
-            if plan is None:
+            if plan is None or row.get("model", "model") != "model" or (row.get("steps_measured") or 9) < 3:
                 continue
             hardware = load_profile(PROFILE.get(label, "h200-capped-32g"))
             predicted = predict_tokens_per_s(spec, plan, hardware, 2048, MEAN_FRACTION)

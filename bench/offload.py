@@ -8,6 +8,8 @@ trainer's own ru_maxrss at exit (LFA_PEAK ... host_rss_gib). Pinned buffers are 
 
 usage (device):  python bench/offload.py ASSETS_DIR OUT_DIR --only plain_1.3b,z2off_1.3b [--steps 4]
 usage (here):    python bench/offload.py --table bench/results/<run>/offload.json   # predicted vs measured
+The trainer column (ru_maxrss) is what the model predicts per rank; the tree column sums RSS over every process,
+which counts pages that forked data workers share with the trainer more than once (an upper bound).
 """
 from __future__ import annotations
 
@@ -140,21 +142,24 @@ def table(results: dict) -> None:
     hardware = load_profile("h200")
     specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"),
              "model_6.7b": load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")}
-    print(f"{'run':18s} {'plan':52s} {'host RSS':>8s} {'predicted':>9s} {'err':>6s} {'tok/s':>7s} {'pred':>7s} {'err':>6s}")
+    print(f"{'run':16s} {'plan':50s} {'trainer':>7s} {'pred':>6s} {'err':>6s} {'tree':>6s} {'node':>6s} "
+          f"{'tok/s':>7s} {'pred':>7s} {'err':>6s}")
     for label, row in results.items():
         if not row.get("plan"):
-            print(f"{label:18s} (no plan: rc {row.get('rc')})")
+            print(f"{label:16s} (no plan: rc {row.get('rc')})")
             continue
         spec = specs[row["model"]]
         plan = Plan.from_label(row["plan"])
-        predicted = host_memory(spec, plan, hardware).total_gib
-        measured = row.get("tree_peak_rss_gib") or 0.0
-        tps = row.get("steady_tokens_per_s")
-        pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 0.72)
-        err = f"{predicted / measured - 1:+.1%}" if measured else "-"
+        host = host_memory(spec, plan, hardware)
+        launcher = next(v for k, v in host.items.items() if k.startswith("launcher"))
+        per_rank = host.total_gib - launcher  # one rank on this node
+        trainer = row.get("trainer_peak_rss_gib")
+        tps = row.get("steady_tokens_per_s") if (row.get("steps_measured") or 0) >= 3 else None
+        pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 1475 / 2048)
+        err = f"{per_rank / trainer - 1:+.1%}" if trainer else ("killed" if row.get("killed") else "-")
         terr = f"{pred_tps / tps - 1:+.1%}" if tps else "-"
-        print(f"{label:18s} {row['plan'][:52]:52s} {measured:8.1f} {predicted:9.1f} {err:>6s} {tps or 0:7,.0f} "
-              f"{pred_tps:7,.0f} {terr:>6s}")
+        print(f"{label:16s} {row['plan'][:50]:50s} {trainer or 0:7.1f} {per_rank:6.1f} {err:>6s} "
+              f"{row.get('tree_peak_rss_gib') or 0:6.1f} {host.total_gib:6.1f} {tps or 0:7,.0f} {pred_tps:7,.0f} {terr:>6s}")
 
 
 def main() -> None:

@@ -154,15 +154,17 @@ class HostMemory:
 
 
 def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib: float | None = None) -> HostMemory:
-    """Peak host RAM per node: the larger of the loading phase (every rank without ZeRO-3 holds the whole model in
-    16 bits and LLaMA-Factory's fp32 upcast) and the training phase (DeepSpeed's offloaded states per rank)."""
+    """Peak host RAM per node: the larger of the loading phase (every rank without ZeRO-3 loads the whole model)
+    and the training phase (DeepSpeed's offloaded states per rank), plus the launcher processes. Coefficients
+    measured on the H200 (templates/memory_model.yaml)."""
     c = coefficients()["host"]
     ranks = max(1, plan.world_size // max(1, plan.nodes))
     partition = model.num_params / plan.world_size
-    runtime = {"runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
+    runtime = {"launcher (lfa, llamafactory-cli, torchrun)": c["launcher_gib_per_node"],
+               "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
     loading = dict(runtime)
     if plan.deepspeed != "zero3":
-        loading["model load (16-bit + fp32 upcast) x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
+        loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
     training = dict(runtime)
     if plan.offload in ("optimizer", "all") and plan.deepspeed:
         per_param = c["zero3_offload_bytes_per_param" if plan.deepspeed == "zero3" else "zero2_offload_bytes_per_param"]

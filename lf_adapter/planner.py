@@ -121,6 +121,9 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
             # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
             # async_accumulate_grad_in_cpu_via_gpu)
             step_s += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
+        elif plan.deepspeed == "zero3" and plan.grad_accum > 1:
+            # ZeRO-3 offload adds every micro-batch's gradient partition into the fp32 host copy (a CPU pass)
+            step_s += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
     if plan.world_size > 1:
         step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
     return real_tokens * plan.grad_accum * plan.world_size / step_s

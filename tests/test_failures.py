@@ -131,7 +131,10 @@ def test_seed_oom_is_replanned_by_the_memory_model_to_a_plan_that_fits_gpu_and_h
 
     failure = _seed_failure()
     assert failure.details["allocated_gib"] == 27.81 and failure.details["capacity_gib"] == 31.73
-    hardware = load_profile("v100-32g")
+    import dataclasses
+
+    # the seed's host RAM is unknown; with 256 GiB an offload plan fits (with 128 it does not: next test)
+    hardware = dataclasses.replace(load_profile("v100-32g"), ram_gib=256.0)
     context = _context(hardware, learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
     paper = Plan.from_label("fp16/mbs8xga8x1/gc/auto/zero2")
     remedy = next_remedy(Attempt(paper), failure, context, set())
@@ -144,13 +147,13 @@ def test_seed_oom_is_replanned_by_the_memory_model_to_a_plan_that_fits_gpu_and_h
 
 
 def test_oom_with_no_plan_for_gpu_and_host_stops_at_once_with_what_would_fit():
-    import dataclasses
-
-    small_host = dataclasses.replace(load_profile("v100-32g"), ram_gib=64.0)
+    """The v100-32g profile's 128 GiB host: DeepSpeed's offloaded states of a 6.7B model need about 170 GiB (measured
+    26.3 bytes per parameter on the H200; the 6.7B run was killed at 128 GiB), so nothing fits and lfa says why."""
     remedy = next_remedy(Attempt(Plan.from_label("fp16/mbs8xga8x1/gc/sdpa/zero2")), _seed_failure(),
-                         _context(small_host), set())
+                         _context(load_profile("v100-32g")), set())
     assert remedy.attempt is None and remedy.action == "no_plan_fits"
-    assert "64 GiB of RAM" in remedy.why and "GPUs of this kind" in remedy.why and "smaller model" in remedy.why
+    assert "128 GiB of RAM" in remedy.why and "GiB of host RAM" in remedy.why
+    assert "GPUs of this kind" in remedy.why and "smaller model" in remedy.why
 
 
 def test_fragmentation_alone_only_when_the_model_says_the_plan_fits():
@@ -184,18 +187,25 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
                       "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr: 3.0e-7}\nfp16: true\n")
     (tmp_path / "ds_z2_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     shutil.copy(FIXTURES / "cuda_oom_seed_v100.log", tmp_path / "nohup.out")
-    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", "v100-32g", "--json")
+    profile = tmp_path / "v100-256g.yaml"
+    profile.write_text((Path(__file__).parents[1] / "templates" / "hardware" / "v100-32g.yaml").read_text()
+                       .replace("ram_gib: 128", "ram_gib: 256"))
+    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["failure"]["kind"] == "cuda_oom" and "offload" in report["remedy"]["plan"]
     from lf_adapter.recipe_file import load_recipe, plan_from_recipe
 
     written = load_recipe(tmp_path / "train.next.yaml")
-    plan = plan_from_recipe(written, load_profile("v100-32g"))
+    plan = plan_from_recipe(written, load_profile(str(profile)))
     assert plan.offload != "none" and plan.effective_batch_size == 64 and plan.label() == report["remedy"]["plan"]
     assert report["env"]["FORCE_TORCHRUN"] == "1"
     # exit codes: not retriable -> 1, no failure -> 1, missing file -> 2
     assert run_lfa("doctor", FIXTURES / "config_unknown_key.log").returncode == 1
+    # the seed's own 128 GiB profile: nothing fits, exit 1 and no recipe written
+    (tmp_path / "train.next.yaml").unlink()
+    stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", "v100-32g")
+    assert stop.returncode == 1 and "no plan fits" in stop.stdout and not (tmp_path / "train.next.yaml").exists()
     (tmp_path / "fine.log").write_text("{'loss': 1.0}\ntraining finished\n")
     assert run_lfa("doctor", tmp_path / "fine.log").returncode == 1
     missing = run_lfa("doctor", tmp_path / "nope.log")

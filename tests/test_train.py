@@ -174,7 +174,10 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
     text = re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text)
     recipe.write_text(re.sub(r"(?m)^fp16: false", "fp16: true", text))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "2", "--hardware", "v100-32g",
+    profile = tmp_path / "v100-256g.yaml"  # the seed's RAM is unknown: 128 GiB fits no 6.7B plan (test_failures)
+    profile.write_text((REPO / "templates" / "hardware" / "v100-32g.yaml").read_text()
+                       .replace("ram_gib: 128", "ram_gib: 256"))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "2", "--hardware", profile,
                      "--json", env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
                                     "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
     first, second = _ledger(tmp_path / "run")["attempts"][:2]
@@ -235,3 +238,18 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     second = _ledger(run_dir)["attempts"][1]
     assert second["resumed_from"].endswith(f"checkpoint-{saves[0]}") and second["first_step"] == saves[0] + 1
+
+
+def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe, tmp_path):
+    import re
+
+    recipe = cpu_recipe("max_steps=3")
+    text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
+    recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4", "--hardware", "v100-32g",
+                     env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
+                          "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
+    attempts = _ledger(tmp_path / "run")["attempts"]
+    assert result.returncode == 1 and len(attempts) == 1, result.stdout + result.stderr
+    assert attempts[0]["remedy"]["action"] == "no_plan_fits"
+    assert "no plan fits" in result.stderr and "GiB of host RAM" in result.stderr and "Traceback" not in result.stderr
