@@ -158,6 +158,8 @@ def _print_host(host) -> None:
               help="Keep random micro-batches (default: sort each step's rows by length into micro-batches).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a task hyper-parameter (learning_rate, effective_batch_size, max_steps...) or add an LF key.")
+@click.option("--effective-batch", type=int, help="Rows per optimizer step (default: the task's; pseudo2norm's 64 "
+              "= the paper's 8 per device x 8 accumulation, world size unknown). Changing it is a hyper-parameter change.")
 @click.option("--save-steps", type=int, default=500, show_default=True)
 @click.option("--logging-steps", type=int, default=10, show_default=True)
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Recipe folder (default recipes/<task>).")
@@ -166,7 +168,7 @@ def _print_host(host) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
 def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, launcher,
-             llamafactory_version, no_sorted_steps, sets, save_steps,
+             llamafactory_version, no_sorted_steps, sets, effective_batch, save_steps,
              logging_steps, out_dir, force, check, as_json):
     """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
 
@@ -184,6 +186,10 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
         sys.exit(1 if drift else 0)
     if not task:
         raise click.UsageError("--task is required (or --check)")
+    if effective_batch is not None:
+        if effective_batch < 1:
+            raise UserError(f"--effective-batch {effective_batch}: must be a positive number of rows per optimizer step")
+        sets = (*sets, f"effective_batch_size={effective_batch}")
     out = Path(out_dir or f"recipes/{task}")
     args = ["--task", task] + (["--model", model] if model else []) + (["--dataset", dataset] if dataset else []) \
         + (["--template", template] if template else []) + ["--hardware", hardware] \
@@ -207,7 +213,39 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
                                "memory": c.memory.to_dict(), "predicted_tokens_per_s": c.tokens_per_s}, indent=2))
         return
     _print_plan(gen.result, gen.model, gen.hardware)
+    if gen.dataset is not None:
+        hp = gen.hyperparameters
+        click.echo(gen.dataset.report(int(hp["cutoff_len"]), int(hp["effective_batch_size"]),
+                                      float(hp.get("num_train_epochs", 1.0))))
     click.echo("wrote: " + ", ".join(str(p) for p in written))
+
+
+@main.command("data")
+@click.argument("dataset", type=click.Path())
+@click.option("--task", default="pseudo2norm", show_default=True, help="Task whose columns, cutoff and batch apply.")
+@click.option("--model", help="Local model folder whose tokenizer counts the tokens (default: chars/3, labelled).")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def data_cmd(dataset, task, model, as_json):
+    """Token lengths of an alpaca-style jsonl: p50/p90/max, rows truncated at cutoff_len, tokens and steps.
+
+    Example: lfa data data/pseudo2norm.jsonl --model ./llm4decompile-6.7b-v2
+    """
+    from .data import profile_dataset
+    from .tasks import load_task
+
+    t = load_task(task)
+    cutoff = int(t.hyperparameters["cutoff_len"])
+    profile = profile_dataset(dataset, t.dataset.columns, cutoff, model)
+    if as_json:
+        import dataclasses
+
+        click.echo(json.dumps({**dataclasses.asdict(profile), "cutoff_len": cutoff,
+                               "steps": profile.steps(t.effective_batch_size,
+                                                      float(t.hyperparameters.get("num_train_epochs", 1.0)))},
+                              indent=2))
+        return
+    click.echo(profile.report(cutoff, t.effective_batch_size, float(t.hyperparameters.get("num_train_epochs", 1.0))))
 
 
 @main.command()

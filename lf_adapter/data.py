@@ -15,16 +15,34 @@ class DatasetProfile:
     path: str
     rows: int
     mean_chars: float
-    truncated_fraction: float  # rows estimated longer than cutoff_len
-    mean_seq_fraction: float  # estimated mean(min(len, cutoff)) / cutoff
+    truncated_fraction: float  # rows longer than cutoff_len
+    mean_seq_fraction: float  # mean(min(len, cutoff)) / cutoff
+    counted_with: str = f"characters / {CHARS_PER_TOKEN:.0f} (estimate: no local tokenizer)"
+    p50_tokens: int = 0
+    p90_tokens: int = 0
+    max_tokens: int = 0
+    truncated_rows: int = 0
+    total_tokens: int = 0  # after truncation to cutoff_len: what training sees
+
+    def steps(self, effective_batch: int, epochs: float) -> int:
+        return int(self.rows * epochs // effective_batch)
+
+    def report(self, cutoff_len: int, effective_batch: int | None = None, epochs: float | None = None) -> str:
+        lines = [f"dataset {self.path}: {self.rows:,} rows, tokens counted with {self.counted_with}",
+                 f"  tokens per row: p50 {self.p50_tokens:,}, p90 {self.p90_tokens:,}, max {self.max_tokens:,}; "
+                 f"{self.truncated_rows:,} rows ({self.truncated_fraction:.1%}) longer than cutoff_len {cutoff_len} "
+                 "are truncated",
+                 f"  {self.total_tokens:,} tokens per epoch after truncation; mean row {self.mean_seq_fraction:.0%} "
+                 "of cutoff_len"]
+        if effective_batch and epochs:
+            lines.append(f"  {self.steps(effective_batch, epochs):,} optimizer steps for {epochs:g} epoch(s) at "
+                         f"effective batch {effective_batch}")
+        return "\n".join(lines)
 
 
-def profile_dataset(path: str, columns: dict, cutoff_len: int) -> DatasetProfile:
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"dataset {path} does not exist or is not a file")
+def _read_rows(file: Path, columns: dict) -> list[dict]:
     needed = [columns[k] for k in ("query", "response") if k in columns]
-    lengths = []
+    rows = []
     try:
         with file.open(encoding="utf-8") as fh:
             for number, line in enumerate(fh, 1):
@@ -33,16 +51,56 @@ def profile_dataset(path: str, columns: dict, cutoff_len: int) -> DatasetProfile
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{number}: not a JSON object ({exc.msg}); expected one alpaca row per line") from None
+                    raise UserError(f"{file}:{number}: not a JSON object ({exc.msg}); expected one alpaca row per "
+                                    "line") from None
                 if not isinstance(row, dict) or any(col not in row for col in needed):
-                    raise UserError(f"{path}:{number}: row lacks the columns {needed} that dataset_info maps")
-                lengths.append(sum(len(str(row.get(columns[k], ""))) for k in ("prompt", "query", "response") if k in columns))
+                    raise UserError(f"{file}:{number}: row lacks the columns {needed} that dataset_info maps")
+                rows.append(row)
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read dataset {path}: {exc}") from None
-    if not lengths:
-        raise UserError(f"dataset {path} has no rows")
-    tokens = [n / CHARS_PER_TOKEN for n in lengths]
+        raise UserError(f"cannot read dataset {file}: {exc}") from None
+    if not rows:
+        raise UserError(f"dataset {file} has no rows")
+    return rows
+
+
+def local_tokenizer(model: str | None):
+    """The model's tokenizer when its files are local (never downloads), else None."""
+    if not model or not Path(model).is_dir():
+        return None
+    if not any((Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - a tokenizer that will not load means the estimate, labelled as such
+        return None
+
+
+def profile_dataset(path: str, columns: dict, cutoff_len: int, model: str | None = None) -> DatasetProfile:
+    """Row lengths in tokens: with the model's own tokenizer when it is local (prompt + query, then response and
+    EOS, as the sk2decompile template lays a row out; other templates add a few tokens of their own), else
+    characters / 3, labelled as an estimate."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"dataset {path} does not exist or is not a file")
+    rows = _read_rows(file, columns)
+    text = lambda row, keys: "".join(str(row.get(columns[k], "")) for k in keys if k in columns)  # noqa: E731
+    chars = [len(text(row, ("prompt", "query", "response"))) for row in rows]
+    tokenizer = local_tokenizer(model)
+    if tokenizer is not None:
+        prompts = tokenizer([text(row, ("prompt", "query")) for row in rows], add_special_tokens=False)["input_ids"]
+        answers = tokenizer([text(row, ("response",)) for row in rows], add_special_tokens=False)["input_ids"]
+        tokens = [len(p) + len(a) + 1 for p, a in zip(prompts, answers)]
+        counted = f"the model's tokenizer ({model})"
+    else:
+        tokens = [round(n / CHARS_PER_TOKEN) for n in chars]
+        counted = f"characters / {CHARS_PER_TOKEN:.0f} (estimate: no local tokenizer)"
+    ordered = sorted(tokens)
     clipped = [min(t, cutoff_len) for t in tokens]
-    return DatasetProfile(path=str(file), rows=len(lengths), mean_chars=sum(lengths) / len(lengths),
-                          truncated_fraction=sum(t > cutoff_len for t in tokens) / len(tokens),
-                          mean_seq_fraction=sum(clipped) / len(clipped) / cutoff_len)
+    truncated = sum(t > cutoff_len for t in tokens)
+    return DatasetProfile(path=str(file), rows=len(rows), mean_chars=sum(chars) / len(chars),
+                          truncated_fraction=truncated / len(tokens),
+                          mean_seq_fraction=sum(clipped) / len(clipped) / cutoff_len, counted_with=counted,
+                          p50_tokens=ordered[len(ordered) // 2], p90_tokens=ordered[int(len(ordered) * 0.9)],
+                          max_tokens=ordered[-1], truncated_rows=truncated, total_tokens=sum(clipped))

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from . import UserError
-from .data import profile_dataset
+from .data import DatasetProfile, profile_dataset
 from .hardware import HardwareProfile, installed_versions, load_profile
 from .model_spec import ModelSpec, load_model_spec
 from .memory import host_memory
@@ -53,6 +53,8 @@ class Generated:
     model: ModelSpec
     hardware: HardwareProfile
     task: TaskSpec
+    dataset: DatasetProfile | None = None
+    hyperparameters: dict | None = None
 
 
 def parse_sets(sets: tuple[str, ...]) -> dict:
@@ -132,7 +134,7 @@ def generate(request: GenerateRequest) -> Generated:
     for key, value in sets.items():
         (hp if key in TASK_HYPERPARAMETERS else extra)[key] = value
     if request.dataset:
-        profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]))
+        profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]), shape_model)
         dataset_file = relative_to_dir(request.dataset, request.out_dir)
         mean_fraction = profile.mean_seq_fraction
     elif task.dataset.file_name:
@@ -171,4 +173,5 @@ def generate(request: GenerateRequest) -> Generated:
                           offline=local_model,
                           save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta,
                           llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5")
-    return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task)
+    return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task,
+                     dataset=profile, hyperparameters=hp)

@@ -253,3 +253,33 @@ def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe
     assert result.returncode == 1 and len(attempts) == 1, result.stdout + result.stderr
     assert attempts[0]["remedy"]["action"] == "no_plan_fits"
     assert "no plan fits" in result.stderr and "GiB of host RAM" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_data_report_counts_tokens_as_llamafactory_encodes_the_sk2decompile_template(demo_assets):
+    """lfa data / generate --dataset count each row with the model's tokenizer; for sk2decompile that equals what
+    LLaMA-Factory's template encodes (prompt, response, one EOS)."""
+    import json as _json
+
+    from lf_adapter.data import profile_dataset
+    from lf_adapter.plugin import hooks
+    from lf_adapter.tasks import load_task
+    from transformers import AutoTokenizer
+
+    hooks.install()
+    from llamafactory.data import template as lf_template
+
+    model, data = demo_assets
+    task = load_task("pseudo2norm")
+    profile = profile_dataset(str(data), task.dataset.columns, 2048, str(model))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    lengths = []
+    for line in data.read_text().splitlines():
+        row = _json.loads(line)
+        prompt, answer = lf_template.TEMPLATES["sk2decompile"].encode_oneturn(
+            tokenizer, [{"role": "user", "content": row["instruction"] + row["input"]},
+                        {"role": "assistant", "content": row["output"]}])
+        lengths.append(len(prompt) + len(answer))
+    assert "tokenizer" in profile.counted_with and profile.max_tokens == max(lengths)
+    assert profile.total_tokens == sum(lengths) and profile.p50_tokens == sorted(lengths)[len(lengths) // 2]
+    estimate = profile_dataset(str(data), task.dataset.columns, 2048, None)
+    assert "estimate" in estimate.counted_with
