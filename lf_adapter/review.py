@@ -442,6 +442,7 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
     summary["host_ram_gib"] = host.ram_gib
     tokens_per_s = predict_tokens_per_s(spec, plan, hardware, cutoff, fraction)
     summary["predicted_tokens_per_s"] = round(tokens_per_s)
+    summary["speed_basis"] = speed_basis(hardware, plan)
     rows = _dataset_rows(recipe, workdir or recipe.folder)
     if rows:
         epochs = float(d.get("num_train_epochs", 3.0))
@@ -451,6 +452,20 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
         summary["dataset_rows"] = rows
         summary["predicted_wall_time_s"] = round(total / tokens_per_s)
     return summary
+
+
+def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
+    """What a speed and wall-time prediction rests on: the throughput model was fitted on H200 runs only."""
+    if not hardware.has_gpu:
+        return "CPU: a rough FLOP rate, not measured"
+    gpu = hardware.gpu
+    basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
+             f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
+    if plan.offload != "none":
+        basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
+    if "H200" in gpu.name:
+        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%"
+    return basis + "; not measured on this GPU"
 
 
 def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
@@ -544,6 +559,8 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         if "predicted_wall_time_s" in s:
             line += f", ~{_duration(s['predicted_wall_time_s'])} for {s['dataset_rows']:,} rows"
         out.append(line)
+        if "speed_basis" in s:
+            out.append(f"  (speed: {s['speed_basis']})")
         if r.diff is not None:
             out.append(format_diff(r.diff, f"{r.base}", "this change").rstrip())
         elif r.base:
@@ -584,6 +601,8 @@ def _markdown(reviews: list[RecipeReview]) -> str:
                 + (f"~{s['predicted_tokens_per_s']:,} tok/s" if "predicted_tokens_per_s" in s else "-") + " | "
                 + (f"~{_duration(s['predicted_wall_time_s'])} ({s['dataset_rows']:,} rows)" if "predicted_wall_time_s" in s else "-")
                 + " |"]
+        if "speed_basis" in s:
+            out += ["", f"Speed and wall time rest on: {s['speed_basis']}."]
         if "memory_gib" in s:
             out += ["", "<details><summary>memory breakdown (GiB per GPU)</summary>", ""]
             out += [f"- {v:.2f} {k}" for k, v in s["memory_gib"].items()] + ["", "</details>"]
