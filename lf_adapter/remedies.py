@@ -122,7 +122,7 @@ def _drop_deepspeed(a, f, c):
 
 
 ACTIONS = {
-    "fragmentation": _fragmentation,
+    "fragmentation": _gpu_only(_fragmentation),  # PYTORCH_CUDA_ALLOC_CONF does nothing on a CPU
     "halve_micro_batch": _halve_micro_batch,
     "gradient_checkpointing": _switch("gradient_checkpointing", True,
                                       "gradient checkpointing on: keep only layer inputs, recompute the rest"),

@@ -410,7 +410,13 @@ def supervise(request: TrainRequest) -> int:
                       model=_planning_model(recipe), seq_len=int(recipe.data.get("cutoff_len") or 2048),
                       mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
                       liger_available=installed_versions().get("liger-kernel") is not None)
-    attempt = Attempt(plan_from_recipe(recipe, hardware))
+    # --set keys are part of the recipe this run starts from: the plan (and every remedy) starts from them, and a
+    # remedy's change wins over them on the next attempt
+    effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
+    try:
+        attempt = Attempt(plan_from_recipe(effective, hardware))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{recipe.path}: {exc}") from None
     launch_keys = {}
     if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
             and "master_addr" not in recipe.data and "master_addr" not in user_keys:
@@ -441,10 +447,10 @@ def supervise(request: TrainRequest) -> int:
     try:
         for _ in range(request.max_attempts):
             n = len(ledger.attempts) + 1
-            changes = key_changes(recipe, attempt, base_plan_keys)
+            changes = key_changes(effective, attempt, base_plan_keys)
             if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
                 changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
-            overrides = {**changes, **launch_keys, **user_keys}
+            overrides = {**user_keys, **changes, **launch_keys}
             # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
             checkpoint = newest_complete_checkpoint(output_dir, tidy=not request.node_rank) \
                 if output_dir.exists() else None
@@ -490,7 +496,7 @@ def supervise(request: TrainRequest) -> int:
                 ledger.data["status"] = "succeeded"
                 if changes:
                     resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
-                    resolved.write_text(_resolved_text(recipe, changes, notes))
+                    resolved.write_text(_resolved_text(recipe, {**user_keys, **changes}, notes))
                     ledger.data["resolved_recipe"] = str(resolved)
                     reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
                                    path=str(resolved))

@@ -63,7 +63,8 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
     attempts = _ledger(tmp_path / "run")["attempts"]
     kinds = [(a.get("failure") or {}).get("kind") for a in attempts]
     assert kinds[:-1] == ["cuda_oom"] * (len(attempts) - 1) and kinds[-1] is None
-    assert [a["remedy"]["action"] for a in attempts[:-1]][:2] == ["fragmentation", "halve_micro_batch"]
+    # no allocator remedy on a CPU (PYTORCH_CUDA_ALLOC_CONF would change nothing): straight to a smaller micro-batch
+    assert [a["remedy"]["action"] for a in attempts[:-1]][0] == "halve_micro_batch"
     assert "torch.OutOfMemoryError: CUDA out of memory" in (tmp_path / "run" / "attempt-1.log").read_text()
     final = attempts[-1]["overrides"]
     assert final["per_device_train_batch_size"] == 2 and final["gradient_accumulation_steps"] == 4
@@ -283,3 +284,18 @@ def test_data_report_counts_tokens_as_llamafactory_encodes_the_sk2decompile_temp
     assert profile.total_tokens == sum(lengths) and profile.p50_tokens == sorted(lengths)[len(lengths) // 2]
     estimate = profile_dataset(str(data), task.dataset.columns, 2048, None)
     assert "estimate" in estimate.counted_with
+
+
+def test_set_on_plan_keys_feeds_the_plan_that_remedies_start_from(cpu_recipe, tmp_path):
+    """--set per_device_train_batch_size=4 with an OOM above 2: the remedy halves the micro-batch that ran (4 -> 2),
+    and its change wins over the --set on the retry (no identical attempts)."""
+    recipe = cpu_recipe("max_steps=2")
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4",
+                     "--set", "per_device_train_batch_size=4", "--set", "gradient_accumulation_steps=2",
+                     env={"LFA_INJECT_OOM_ABOVE_MBS": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempts = _ledger(tmp_path / "run")["attempts"]
+    assert attempts[0]["plan"].split("/")[1] == "mbs4xga2x1"
+    assert attempts[-1]["overrides"]["per_device_train_batch_size"] == 2
+    assert attempts[-1]["overrides"]["gradient_accumulation_steps"] == 4
+    assert len({a["plan"] for a in attempts}) == len(attempts) == 2
