@@ -399,7 +399,8 @@ def diff_cmd(old, new, fmt):
 @click.argument("recipe", type=click.Path())
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where attempts are recorded (default runs/<name>).")
 @click.option("--name", help="Run name (default: the recipe folder's name).")
-@click.option("--max-attempts", type=int, default=4, show_default=True, help="Retry budget, the first try included.")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Retry budget, the first try included.")
 @click.option("--allow-hparam-change", is_flag=True, help="Let a NaN remedy lower the learning rate.")
 @click.option("--json", "as_json", is_flag=True, help="JSON events on stdout instead of the progress line.")
 @click.option("--detach", is_flag=True, help="Run in the background, surviving logout; see lfa status/logs/stop.")
@@ -409,9 +410,11 @@ def diff_cmd(old, new, fmt):
 @click.option("--master-port", type=int, help="Multi-node: the rendezvous port (default: the profile's, 29500).")
 @click.option("--hardware", help="Plan OOM recovery for this profile (name or file) instead of the recipe's own "
               "(its lfa-meta header, or detect for hand-written recipes).")
+@click.option("--fresh", is_flag=True, help="Start from step 0: checkpoints already in output_dir are renamed aside "
+              "(superseded-checkpoint-N-...), not resumed and not deleted.")
 @user_errors
 def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets, node_rank, master_addr,
-          master_port, hardware):
+          master_port, hardware, fresh):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
@@ -421,13 +424,28 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
     request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
                            json_events=as_json, overrides=tuple(sets), node_rank=node_rank,
-                           master_addr=master_addr, master_port=master_port, hardware=hardware)
+                           master_addr=master_addr, master_port=master_port, hardware=hardware, fresh=fresh)
     if detach:
+        _refuse_broken_recipe(Path(recipe), hardware)
         run = start_detached(request)
         click.echo(f"started run {run.name} in the background (pid {run.pid}); follow it with: lfa status {run.dir}; "
                    f"lfa logs -f {run.dir}; lfa stop {run.dir}")
         return
     sys.exit(supervise(request))
+
+
+def _refuse_broken_recipe(recipe: Path, hardware: str | None) -> None:
+    """Before detaching: a recipe LLaMA-Factory or lfa's rules reject would only fail in the background, where the
+    user does not see it."""
+    from .review import review_recipe
+
+    # what no retry can fix (failures lfa recovers from, like a predicted OOM or bf16 on a V100, do not block)
+    fatal = {"unknown_key", "wrong_type", "yaml_boolean", "llamafactory_check", "dataset_info_missing",
+             "dataset_info_invalid", "dataset_undefined", "model_missing", "deepspeed_config", "unknown_template"}
+    errors = [f for f in review_recipe(recipe, hardware=hardware).errors if f.rule in fatal]
+    if errors:
+        raise UserError(f"{recipe} would fail; not started:\n" +
+                        "\n".join(f"  {f.file}:{f.line}: [{f.rule}] {f.message}" for f in errors))
 
 
 @main.command()
@@ -441,13 +459,24 @@ def status(runs, as_json):
     """
     from .run_control import all_runs, resolve_run_dir, run_status
 
+    import math
+
     dirs = [resolve_run_dir(r) for r in runs] or all_runs()
-    statuses = [run_status(d) for d in dirs]
+    statuses, unreadable = [], []
+    for d in dirs:  # one damaged ledger must not hide the other runs
+        try:
+            statuses.append(run_status(d))
+        except UserError as exc:
+            unreadable.append(str(exc))
     if as_json:
-        click.echo(json.dumps([s.to_dict() for s in statuses], indent=2))
-        return
-    if not statuses:
+        finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731
+        click.echo(json.dumps([{k: finite(v) for k, v in s.to_dict().items()} for s in statuses] +
+                              [{"state": "unreadable", "error": e} for e in unreadable], indent=2, allow_nan=False))
+        sys.exit(1 if unreadable else 0)
+    if not statuses and not unreadable:
         click.echo("no runs under ./runs")
+    for error in unreadable:
+        click.echo(f"lfa: {error}", err=True)
     for s in statuses:
         step = f"step {s.step}/{s.total_steps}" if s.step is not None else "no step yet"
         extras = [f"loss {s.loss:.4f}" if s.loss is not None else "",
@@ -455,6 +484,7 @@ def status(runs, as_json):
                   f"GPU {s.gpu_reserved_gib:.1f} GiB" if s.gpu_reserved_gib else "",
                   f"last failure {s.failure}" if s.failure else ""]
         click.echo(f"{s.name:24s} {s.state:10s} attempt {s.attempts}  {step}  " + "  ".join(e for e in extras if e))
+    sys.exit(1 if unreadable else 0)
 
 
 @main.command()

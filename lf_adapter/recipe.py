@@ -71,6 +71,27 @@ PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bo
             "deepspeed": str, "offload": str, "alloc_conf": str}
 
 
+# what each task hyper-parameter must be; (type, lowest allowed value)
+HYPERPARAMETER_RULES = {"learning_rate": (float, 0.0), "min_lr": (float, 0.0), "num_train_epochs": (float, 0.0),
+                        "warmup_ratio": (float, 0.0), "cutoff_len": (int, 1), "effective_batch_size": (int, 1),
+                        "max_steps": (int, -1), "ddp_timeout": (int, 1), "seed": (int, 0)}
+
+
+def check_hyperparameters(hp: dict) -> None:
+    """Every problem with the task's hyper-parameters (after --set) in one message, before anything is planned."""
+    problems = []
+    for key, (kind, lowest) in HYPERPARAMETER_RULES.items():
+        if key not in hp:
+            continue
+        value = hp[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            problems.append(f"{key}={value!r} is not {'an integer' if kind is int else 'a number'}")
+        elif value < lowest or (kind is float and key in ("learning_rate", "num_train_epochs") and value <= 0):
+            problems.append(f"{key}={value} must be {'> 0' if kind is float else f'>= {lowest}'}")
+    if problems:
+        raise UserError("invalid hyper-parameters: " + "; ".join(problems))
+
+
 def parse_pins(pins: tuple[str, ...]) -> dict:
     fixed = {}
     for item in pins:
@@ -111,7 +132,8 @@ def generate(request: GenerateRequest) -> Generated:
     hardware = load_profile(request.hardware)
     if request.gpus is not None:
         if request.gpus < 1 or (hardware.has_gpu and request.gpus > hardware.gpus_per_node * hardware.nodes):
-            raise UserError(f"--gpus {request.gpus}: the profile has {hardware.world_size} GPU(s)")
+            raise UserError(f"--gpus {request.gpus}: {hardware.name} has {hardware.world_size} GPU(s); use 1.."
+                            f"{hardware.world_size}")
         hardware = dataclasses.replace(hardware, nodes=1, gpus_per_node=request.gpus)
     if request.model:
         recipe_model, shape_model = request.model, request.model
@@ -133,6 +155,7 @@ def generate(request: GenerateRequest) -> Generated:
     extra = {}
     for key, value in sets.items():
         (hp if key in TASK_HYPERPARAMETERS else extra)[key] = value
+    check_hyperparameters(hp)
     if request.dataset:
         profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]), shape_model)
         dataset_file = relative_to_dir(request.dataset, request.out_dir)

@@ -100,14 +100,21 @@ def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | 
     return {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}"), offload
 
 
+def _int_key(recipe: Recipe, key: str, default: int) -> int:
+    value = recipe.data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{recipe.path}: {key}: {value!r} is not a positive integer")
+    return value
+
+
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | None = None) -> Plan:
     d = recipe.data
     precision = "bf16" if truthy(d.get("bf16")) else "fp16" if truthy(d.get("fp16")) else "fp32"
     deepspeed, offload = deepspeed_setup(recipe, workdir)
     return Plan(
         precision=precision,
-        micro_batch_size=int(d.get("per_device_train_batch_size", 1)),
-        grad_accum=int(d.get("gradient_accumulation_steps", 1)),
+        micro_batch_size=_int_key(recipe, "per_device_train_batch_size", 1),
+        grad_accum=_int_key(recipe, "gradient_accumulation_steps", 1),
         world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
         gradient_checkpointing=not truthy(d.get("disable_gradient_checkpointing", False)),
         liger=truthy(d.get("enable_liger_kernel", False)),

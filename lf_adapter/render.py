@@ -147,17 +147,20 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def write_recipe_dir(files: dict[str, str], out_dir: Path, force: bool = False) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    existing = [name for name in files if (out_dir / name).exists()]
-    if existing and not force:
-        raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --force to overwrite")
-    written = []
-    for name, text in files.items():
-        path = out_dir / name
-        path.write_text(text)
-        if name.endswith(".sh"):
-            path.chmod(0o755)
-        written.append(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        existing = [name for name in files if (out_dir / name).exists()]
+        if existing and not force:
+            raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --force to overwrite")
+        written = []
+        for name, text in files.items():
+            path = out_dir / name
+            path.write_text(text)
+            if name.endswith(".sh"):
+                path.chmod(0o755)
+            written.append(path)
+    except OSError as exc:
+        raise UserError(f"cannot write the recipe into {out_dir}: {exc.strerror or exc}") from None
     return written
 
 

@@ -25,7 +25,8 @@ from .model_spec import ModelSpec, load_model_spec
 from .plan import Plan
 from .planner import predict_tokens_per_s
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
-from .recipe_file import LlamaFactoryLoader, Recipe, load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
+from .recipe_file import (LlamaFactoryLoader, Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware,
+                          recipe_model_spec)
 from .tasks import chat_template_files, task_files, load_task
 
 SEVERITIES = ("error", "warning", "info")
@@ -511,10 +512,19 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
     unreadable_ds = None
     try:
         plan = plan_from_recipe(recipe, hw, where)
-    except UserError as exc:  # the DeepSpeed JSON: reported by the deepspeed_config rule; plan without it
-        unreadable_ds = str(exc)
-        plan = plan_from_recipe(Recipe(recipe.path, {k: v for k, v in recipe.data.items() if k != "deepspeed"},
-                                       recipe.meta, recipe.text), hw)
+    except UserError:  # an unreadable DeepSpeed JSON or a batch key that is no integer: each has its own finding;
+        # the summary plans without what cannot be read
+        unreadable_ds = bool(recipe.data.get("deepspeed"))
+        readable = {k: v for k, v in recipe.data.items() if k != "deepspeed" and not (
+            k in ("per_device_train_batch_size", "gradient_accumulation_steps") and
+            (isinstance(v, bool) or not isinstance(v, int) or v < 1))}
+        plan = plan_from_recipe(Recipe(recipe.path, readable, recipe.meta, recipe.text), hw)
+        try:
+            deepspeed_setup(recipe, where)
+            plan = plan.replace(**dict(zip(("deepspeed", "offload"), deepspeed_setup(recipe, where))))
+            unreadable_ds = False
+        except UserError:
+            pass
     spec = _model_spec(recipe, model, where)
     review = RecipeReview(path=str(recipe.path))
     review.findings = _llamafactory_findings(recipe, lines) + _lfa_findings(recipe, hw, plan, lines, spec, where)

@@ -40,7 +40,7 @@ class TrainRequest:
     allow_hparam_change: bool = False
     json_events: bool = False
     overrides: tuple[str, ...] = ()
-    fresh: bool = False  # demo only: start without the previous run's checkpoints
+    fresh: bool = False  # start without the checkpoints already in output_dir (renamed aside)
     node_rank: int | None = None  # multi-node: this node's rank (one supervisor per node)
     master_addr: str | None = None  # override the profile's rendezvous host
     master_port: int | None = None
@@ -382,12 +382,9 @@ def supervise(request: TrainRequest) -> int:
     output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
     locks = hold_run_locks(run_dir, output_dir)
     ended_orphan = end_orphaned_trainer(run_dir)
-    if request.fresh and output_dir.exists():
-        import shutil
-
-        for child in output_dir.iterdir():
-            if child.name != LOCK_NAME:
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    if request.fresh:  # earlier checkpoints are renamed aside, never deleted
+        for step, path in _checkpoints(output_dir):
+            path.rename(path.with_name(f"superseded-{path.name}-{int(time.time())}"))
     ledger = Ledger(run_dir, recipe.path)
     rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
                                                             ("MASTER_ADDR", request.master_addr),
@@ -413,10 +410,7 @@ def supervise(request: TrainRequest) -> int:
     # --set keys are part of the recipe this run starts from: the plan (and every remedy) starts from them, and a
     # remedy's change wins over them on the next attempt
     effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
-    try:
-        attempt = Attempt(plan_from_recipe(effective, hardware))
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{recipe.path}: {exc}") from None
+    attempt = Attempt(plan_from_recipe(effective, hardware))
     launch_keys = {}
     if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
             and "master_addr" not in recipe.data and "master_addr" not in user_keys:
@@ -456,6 +450,10 @@ def supervise(request: TrainRequest) -> int:
                 if output_dir.exists() else None
             if checkpoint:
                 overrides["resume_from_checkpoint"] = str(checkpoint)
+                if not any(a.get("resumed_from") or a.get("last_step") for a in ledger.attempts):
+                    reporter.event("resume_note", f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
+                                   "run; pass --fresh to start over (it renames old checkpoints aside)",
+                                   checkpoint=str(checkpoint))
             entries = launch_env(attempt.plan, offline=model_dir.is_dir(), master_port=hardware.master_port,
                                  master_addr=hardware.master_addr)
             env = resolve_env(entries)
@@ -566,6 +564,7 @@ def start_detached(request: TrainRequest) -> DetachedRun:
     args += ["--allow-hparam-change"] if request.allow_hparam_change else []
     args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
     args += ["--hardware", request.hardware] if request.hardware else []
+    args += ["--fresh"] if request.fresh else []
     args += ["--master-addr", request.master_addr] if request.master_addr else []
     args += ["--master-port", str(request.master_port)] if request.master_port else []
     args += [x for s in request.overrides for x in ("--set", s)]

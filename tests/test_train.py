@@ -299,3 +299,31 @@ def test_set_on_plan_keys_feeds_the_plan_that_remedies_start_from(cpu_recipe, tm
     assert attempts[-1]["overrides"]["per_device_train_batch_size"] == 2
     assert attempts[-1]["overrides"]["gradient_accumulation_steps"] == 4
     assert len({a["plan"] for a in attempts}) == len(attempts) == 2
+
+
+def test_bad_input_gets_one_message_and_no_background_run(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=2")
+    text = recipe.read_text()
+    recipe.write_text(text.replace("\nlearning_rate:", "\nlearing_rate:"))
+    detached = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--detach")
+    assert detached.returncode == 2 and "learing_rate" in detached.stderr and "did you mean `learning_rate`" in detached.stderr
+    assert not (tmp_path / "run" / "supervisor.pid").exists()
+    import re
+
+    recipe.write_text(re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: abc", text))
+    for args in (("train", recipe, "--run-dir", tmp_path / "run2"), ("estimate", recipe),
+                 ("generate", "--task", "pseudo2norm", "--hardware", "h200", "--set", "cutoff_len=abc", "-o", tmp_path / "g"),
+                 ("train", recipe, "--max-attempts", "0")):
+        result = run_lfa(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+    # a damaged ledger is reported, the other runs are still listed, and JSON never holds a bare NaN
+    good, bad = tmp_path / "runs" / "good", tmp_path / "runs" / "bad"
+    good.mkdir(parents=True)
+    bad.mkdir()
+    (good / "ledger.json").write_text(json.dumps({"status": "succeeded", "attempts": []}))
+    (good / "events.jsonl").write_text(json.dumps({"event": "log", "loss": float("nan")}) + "\n")
+    (bad / "ledger.json").write_text("{not json")
+    status = run_lfa("status", "--json", cwd=tmp_path)
+    rows = json.loads(status.stdout)
+    assert status.returncode == 1 and {r["state"] for r in rows} == {"succeeded", "unreadable"}
+    assert "NaN" not in status.stdout
