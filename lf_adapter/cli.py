@@ -2,6 +2,7 @@
 findings, 2 usage or input error."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import shlex
@@ -21,6 +22,12 @@ def user_errors(fn):
         except UserError as exc:
             click.echo(f"lfa: error: {exc}", err=True)
             sys.exit(2)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            click.echo(f"lfa: error: the disk is full ({exc.filename or 'writing'}): free space and run the command "
+                       "again (a training run resumes from its newest complete checkpoint)", err=True)
+            sys.exit(1)
     return wrapper
 
 
@@ -412,9 +419,11 @@ def diff_cmd(old, new, fmt):
               "(its lfa-meta header, or detect for hand-written recipes).")
 @click.option("--fresh", is_flag=True, help="Start from step 0: checkpoints already in output_dir are renamed aside "
               "(superseded-checkpoint-N-...), not resumed and not deleted.")
+@click.option("--stop-on-divergence", is_flag=True, help="Stop the attempt (and retry with a lower learning rate "
+              "if --allow-hparam-change) when the loss sits at ln(vocab) or rises for 10 logs; without it lfa warns.")
 @user_errors
 def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets, node_rank, master_addr,
-          master_port, hardware, fresh):
+          master_port, hardware, fresh, stop_on_divergence):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
@@ -424,7 +433,8 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
     request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
                            json_events=as_json, overrides=tuple(sets), node_rank=node_rank,
-                           master_addr=master_addr, master_port=master_port, hardware=hardware, fresh=fresh)
+                           master_addr=master_addr, master_port=master_port, hardware=hardware, fresh=fresh,
+                           stop_on_divergence=stop_on_divergence)
     if detach:
         _refuse_broken_recipe(Path(recipe), hardware)
         run = start_detached(request)
@@ -552,7 +562,30 @@ def demo(root, rows, max_steps):
     _print_plan(gen.result, gen.model, gen.hardware)
     code = supervise(TrainRequest(recipe=out / "train.yaml", run_dir=root_path / "run", name="demo",
                                   max_attempts=2, fresh=True))
+    log = out / "saves" / "pseudo2norm" / "trainer_log.jsonl"
+    if log.is_file():
+        click.echo("loss curve (trainer_log.jsonl):")
+        click.echo(loss_curve_text(log))
+    click.echo(f"this run: lfa status {root_path / 'run'}; lfa logs {root_path / 'run'}")
     sys.exit(code)
+
+
+def loss_curve_text(trainer_log: Path, width: int = 40) -> str:
+    """One line per logged step: step, loss and a bar scaled between the lowest and highest loss."""
+    points = []
+    for line in trainer_log.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record.get("loss"), (int, float)) and record["loss"] == record["loss"]:
+            points.append((record.get("current_steps"), float(record["loss"])))
+    if not points:
+        return "  (no loss logged)"
+    low, high = min(p[1] for p in points), max(p[1] for p in points)
+    span = (high - low) or 1.0
+    return "\n".join(f"  step {step:>5}  loss {loss:8.4f}  " + "#" * max(1, round(width * (loss - low) / span))
+                     for step, loss in points)
 
 
 if __name__ == "__main__":

@@ -185,3 +185,10 @@ def fit_activation_scale(model: ModelSpec, plan: Plan, seq_len: int, needed_allo
     if predicted.allocated_gib >= needed_allocated_gib or activations <= 0:
         return 1.0
     return 1.0 + (needed_allocated_gib - predicted.allocated_gib) / activations
+
+
+def checkpoint_gib(model: ModelSpec, plan: Plan) -> float:
+    """Disk one checkpoint takes: the weights as the Trainer holds them (fp32 after LLaMA-Factory's upcast; 16-bit
+    under DeepSpeed) and the optimizer state (Adam m, v in fp32; DeepSpeed also keeps its fp32 master copy)."""
+    per_param = 2.0 + 12.0 if plan.deepspeed else 4.0 + 8.0
+    return per_param * model.num_params / GIB

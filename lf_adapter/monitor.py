@@ -15,6 +15,7 @@ from . import templates_dir
 
 MAX_LINE = 4000  # huge lines (a dumped tensor, a base64 blob) are cut, not buffered without bound
 NONFINITE_LOGS_TO_STOP = 3
+DIVERGENCE_LOGS = 10  # finite losses flat at ln(vocab), or rising, for this many logs: a divergence without NaN
 _OOM_FIELDS = {
     "asked_gib": r"Tried to allocate ([\d.]+ [KMG]iB)",
     "capacity_gib": r"total capacity of ([\d.]+ [KMG]iB)",
@@ -157,6 +158,7 @@ class TrainerLogWatcher:
         self.nonfinite_streak = 0
         self.last_finite_step: int | None = None  # newest step whose logged loss and grad norm were finite
         self.first_nonfinite_step: int | None = None
+        self.losses: deque[float] = deque(maxlen=DIVERGENCE_LOGS)
 
     def poll(self) -> list[dict]:
         records = []
@@ -169,6 +171,8 @@ class TrainerLogWatcher:
                 bad = not (_finite(record.get("loss")) and _finite(record.get("grad_norm")))
                 self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
                 step = record.get("current_steps")
+                if not bad and isinstance(record.get("loss"), (int, float)):
+                    self.losses.append(float(record["loss"]))
                 if bad and self.first_nonfinite_step is None:
                     self.first_nonfinite_step = step
                 elif not bad and self.first_nonfinite_step is None:
@@ -180,3 +184,16 @@ class TrainerLogWatcher:
     @property
     def diverged(self) -> bool:
         return self.nonfinite_streak >= NONFINITE_LOGS_TO_STOP
+
+    def stalled(self, vocab_size: int | None) -> str | None:
+        """Divergence without NaN: the last DIVERGENCE_LOGS finite losses sit at the uniform-distribution value
+        ln(vocab) (the model predicts nothing), or rose at every log."""
+        if len(self.losses) < DIVERGENCE_LOGS:
+            return None
+        losses = list(self.losses)
+        if vocab_size and all(abs(x - math.log(vocab_size)) < 0.02 * math.log(vocab_size) for x in losses):
+            return (f"the loss has sat at ln(vocab) = {math.log(vocab_size):.2f} (a uniform guess) for "
+                    f"{DIVERGENCE_LOGS} logs: the model is not learning (learning rate too high?)")
+        if all(b > a for a, b in zip(losses, losses[1:])):
+            return f"the loss rose at each of the last {DIVERGENCE_LOGS} logs ({losses[0]:.3f} -> {losses[-1]:.3f})"
+        return None

@@ -89,7 +89,10 @@ def run_status(run_dir: Path) -> RunStatus:
 
 
 def all_runs(root: Path = Path("runs")) -> list[Path]:
-    return sorted(p.parent for p in root.glob("*/ledger.json")) if root.is_dir() else []
+    """Runs under ./runs, and the demo's run (lfa demo keeps it under .lfa/demo/run)."""
+    found = sorted(p.parent for p in root.glob("*/ledger.json")) if root.is_dir() else []
+    demo = Path(".lfa/demo/run")
+    return found + ([demo] if root == Path("runs") and (demo / "ledger.json").is_file() else [])
 
 
 def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import click
 
 from . import UserError
 from .hardware import GpuMemoryProbe, installed_versions
+from .memory import checkpoint_gib
 from .model_spec import ModelSpec, load_model_spec
 from .launch import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
@@ -45,6 +48,7 @@ class TrainRequest:
     master_addr: str | None = None  # override the profile's rendezvous host
     master_port: int | None = None
     hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
+    stop_on_divergence: bool = False  # stop (and retry) when the loss sits at ln(vocab) or keeps rising
 
 
 def plan_keys(plan: Plan) -> dict:
@@ -222,7 +226,8 @@ def _read_events(events_follower: FileFollower, reader: LineReader, state: dict)
 
 
 def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
-                 reporter: Reporter, interrupted: dict, on_start) -> dict:
+                 reporter: Reporter, interrupted: dict, on_start, vocab_size: int | None = None,
+                 stop_on_divergence: bool = False) -> dict:
     log_path = run_dir / f"attempt-{n}.log"
     events_path = Path(env["LFA_EVENTS_FILE"])
     trainer_log = output_dir / "trainer_log.jsonl"
@@ -239,7 +244,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         log_file.flush()
         started = time.time()
         process = start(command, cwd, env, log_file)
-        interrupted["process"] = process
+        interrupted.update(process=process, last_process=process, result=result)
         on_start(process.pid)
         follower = FileFollower(log_path)
         detected_at = None
@@ -267,6 +272,15 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                 changed = False
             if changed:
                 reporter.progress(n, state, None)
+            stall = watcher.stalled(vocab_size) if "divergence_warning" not in result else None
+            if stall:
+                result["divergence_warning"] = stall
+                reporter.event("warning", f"[attempt {n}] lfa: {stall}", attempt=n, warning=stall)
+                if stop_on_divergence and detected_at is None:
+                    detected_at = time.time()
+                    log_file.write(f"lfa: loss diverged: {stall}; stopping the attempt\n".encode())
+                    log_file.flush()
+                    result["live_stop"] = {"kind": "loss_diverged", "detected_at": detected_at}
             if watcher.diverged and detected_at is None:
                 detected_at = time.time()
                 log_file.write(b"lfa: non-finite loss or grad_norm in 3 consecutive logs; stopping the attempt\n")
@@ -315,7 +329,7 @@ def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
 LOCK_NAME = ".lfa-train.lock"
 
 
-def hold_run_locks(run_dir: Path, output_dir: Path) -> list:
+def hold_run_locks(run_dir: Path, output_dir: Path, node_rank: int | None = None) -> list:
     """One supervisor per run folder and per output_dir: an exclusive flock on each, held for the life of this
     process (the kernel drops it when the process dies, kill -9 included). A second `lfa train` of the same run
     name or recipe stops here with who holds it."""
@@ -323,7 +337,9 @@ def hold_run_locks(run_dir: Path, output_dir: Path) -> list:
 
     output_dir.mkdir(parents=True, exist_ok=True)
     held = []
-    for path in (run_dir / LOCK_NAME, output_dir / LOCK_NAME):
+    # several nodes share one output_dir (one supervisor per node): each node locks its own name there
+    output_lock = LOCK_NAME if node_rank is None else LOCK_NAME.replace(".lock", f"-node{node_rank}.lock")
+    for path in (run_dir / LOCK_NAME, output_dir / output_lock):
         handle = open(path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -361,6 +377,21 @@ def end_orphaned_trainer(run_dir: Path) -> str | None:
     return f"ended the orphaned trainer (process group {trainer}) of a supervisor that died, before starting again"
 
 
+def disk_shortfall(output_dir: Path, model: ModelSpec | None, plan: Plan, recipe: Recipe) -> str | None:
+    """Before an attempt: the output_dir's disk must hold the next checkpoint (weights + optimizer state); without
+    it the save fails after the work is done. None when it does, or when the model's size is unknown."""
+    if model is None or str(recipe.data.get("save_strategy", "steps")).lower() == "no":
+        return None
+    need = checkpoint_gib(model, plan)
+    free = shutil.disk_usage(output_dir).free / 2**30
+    if free >= need * 1.05:
+        return None
+    return (f"{output_dir} has {free:.2f} GiB free, but one checkpoint of {model.name} takes about {need:.2f} GiB "
+            f"({'16-bit weights + fp32 master and Adam state' if plan.deepspeed else 'fp32 weights + Adam state'}); "
+            "free space or point output_dir at a larger disk (save_total_limit only removes old checkpoints after a "
+            "new one is written)")
+
+
 def _planning_model(recipe: Recipe) -> ModelSpec | None:
     """The shape OOM recovery plans for; None (the plain ladder) when lfa cannot know it. LFA_EMULATE_MODEL names
     another shape: fault-injection tests emulate a 6.7B OOM while a tiny model trains on the CPU."""
@@ -380,7 +411,7 @@ def supervise(request: TrainRequest) -> int:
     run_dir = (request.run_dir or Path("runs") / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
-    locks = hold_run_locks(run_dir, output_dir)
+    locks = hold_run_locks(run_dir, output_dir, request.node_rank)
     ended_orphan = end_orphaned_trainer(run_dir)
     if request.fresh:  # earlier checkpoints are renamed aside, never deleted
         for step, path in _checkpoints(output_dir):
@@ -411,6 +442,10 @@ def supervise(request: TrainRequest) -> int:
     # remedy's change wins over them on the next attempt
     effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
     attempt = Attempt(plan_from_recipe(effective, hardware))
+    try:
+        trained_model = recipe_model_spec(recipe)  # what is written to disk (not an emulated shape)
+    except UserError:
+        trained_model = None
     launch_keys = {}
     if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
             and "master_addr" not in recipe.data and "master_addr" not in user_keys:
@@ -432,6 +467,8 @@ def supervise(request: TrainRequest) -> int:
 
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+    for earlier in ledger.attempts:  # attempts of a supervisor that died (kill -9) never got a status
+        earlier.setdefault("status", "supervisor died")
     ledger.data.update(status="running", supervisor_pid=os.getpid())
     if ended_orphan:
         ledger.data.setdefault("notes", []).append(ended_orphan)
@@ -441,6 +478,13 @@ def supervise(request: TrainRequest) -> int:
     try:
         for _ in range(request.max_attempts):
             n = len(ledger.attempts) + 1
+            short = disk_shortfall(output_dir, trained_model, attempt.plan, recipe)
+            if short:
+                ledger.data["status"] = "failed"
+                ledger.data["error"] = short
+                ledger.save()
+                reporter.event("error", f"lfa: {short}", kind="disk_space")
+                return 1
             changes = key_changes(effective, attempt, base_plan_keys)
             if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
                 changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
@@ -477,11 +521,14 @@ def supervise(request: TrainRequest) -> int:
                 record["trainer_pid"] = pid
                 ledger.save()
 
-            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start)
+            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start,
+                                  trained_model.vocab_size if trained_model else None, request.stop_on_divergence)
             tail = result.pop("tail")
             failure = classify(tail, result["returncode"])
             if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
                 failure = classify(["lfa: non-finite loss or grad_norm"], None)
+            if result["live_stop"] and result["live_stop"]["kind"] == "loss_diverged":
+                failure = classify([f"lfa: loss diverged: {result['divergence_warning']}"], None)
             if failure is not None and failure.kind == "nan_loss" and output_dir.exists() and not request.node_rank:
                 trusted_until = result["last_finite_step"]
                 if trusted_until is None and checkpoint is not None:  # diverged at once: keep what it resumed from
@@ -494,7 +541,9 @@ def supervise(request: TrainRequest) -> int:
                 ledger.data["status"] = "succeeded"
                 if changes:
                     resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
-                    resolved.write_text(_resolved_text(recipe, {**user_keys, **changes}, notes))
+                    env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
+                                 for k, v in record["env"].items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
+                    resolved.write_text(_resolved_text(recipe, {**user_keys, **changes}, notes + env_notes))
                     ledger.data["resolved_recipe"] = str(resolved)
                     reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
                                    path=str(resolved))
@@ -532,10 +581,30 @@ def supervise(request: TrainRequest) -> int:
         ledger.save()
         reporter.event("error", f"lfa: retry budget of {request.max_attempts} attempts spent", kind="budget")
         return 1
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        message = (f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa train "
+                   "again, it resumes from the newest complete checkpoint")
+        ledger.data["status"] = "failed"
+        try:
+            ledger.save()
+        except OSError:
+            message += f" (the ledger in {run_dir} could not be updated either)"
+        if interrupted["process"] is not None:
+            stop_group(interrupted["process"], grace_s=5.0)
+        reporter.event("error", f"lfa: {message}", kind="disk_full")
+        return 1
     except KeyboardInterrupt:
         ledger.data["status"] = "stopped"
         if ledger.attempts:
-            ledger.attempts[-1].setdefault("status", "stopped")
+            last = ledger.attempts[-1]
+            last.setdefault("status", "stopped")
+            progress = interrupted.get("result") or {}
+            process = interrupted.get("last_process")
+            last.update({k: progress.get(k) for k in ("first_step", "last_step") if k not in last},
+                        returncode=last.get("returncode", process.poll() if process is not None else None),
+                        ended_at=last.get("ended_at", time.time()))
         ledger.save()
         reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
         return 130
@@ -565,6 +634,7 @@ def start_detached(request: TrainRequest) -> DetachedRun:
     args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
     args += ["--hardware", request.hardware] if request.hardware else []
     args += ["--fresh"] if request.fresh else []
+    args += ["--stop-on-divergence"] if request.stop_on_divergence else []
     args += ["--master-addr", request.master_addr] if request.master_addr else []
     args += ["--master-port", str(request.master_port)] if request.master_port else []
     args += [x for s in request.overrides for x in ("--set", s)]

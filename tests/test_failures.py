@@ -210,3 +210,23 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     assert run_lfa("doctor", tmp_path / "fine.log").returncode == 1
     missing = run_lfa("doctor", tmp_path / "nope.log")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+def test_divergence_without_nan_is_seen_flat_at_uniform_or_rising(tmp_path):
+    import json
+    import math
+
+    from lf_adapter.monitor import TrainerLogWatcher
+
+    def watch(losses):
+        log = tmp_path / "trainer_log.jsonl"
+        log.write_text("".join(json.dumps({"current_steps": i, "loss": x, "grad_norm": 1.0}) + "\n"
+                               for i, x in enumerate(losses, 1)))
+        watcher = TrainerLogWatcher(log)
+        watcher.poll()
+        return watcher.stalled(600)
+
+    assert "ln(vocab)" in watch([math.log(600) + 0.01 * (-1) ** i for i in range(12)])
+    assert "rose" in watch([1.0 + 0.1 * i for i in range(12)])
+    assert watch([3.0 - 0.1 * i for i in range(12)]) is None
+    assert watch([math.log(600)] * 5) is None  # too few logs to say

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, run_lfa
 
 
@@ -119,6 +121,8 @@ def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
     assert supervisor.returncode == 130
     ledger = _ledger(run_dir)
     assert ledger["status"] == "stopped"
+    stopped = ledger["attempts"][0]
+    assert stopped["status"] == "stopped" and stopped["returncode"] is not None and stopped["last_step"] >= 1
     pid = ledger["attempts"][0]["trainer_pid"]
     assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
     # the plugin saved the work since the last save (save_steps is 500) before stopping
@@ -237,7 +241,8 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     # lfa train again resumes from that checkpoint; no step is trained twice
     resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=400", env={"LFA_STEP_DELAY_S": "0"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    second = _ledger(run_dir)["attempts"][1]
+    first, second = _ledger(run_dir)["attempts"][:2]
+    assert first["status"] == "supervisor died"
     assert second["resumed_from"].endswith(f"checkpoint-{saves[0]}") and second["first_step"] == saves[0] + 1
 
 
@@ -327,3 +332,51 @@ def test_bad_input_gets_one_message_and_no_background_run(cpu_recipe, tmp_path):
     rows = json.loads(status.stdout)
     assert status.returncode == 1 and {r["state"] for r in rows} == {"succeeded", "unreadable"}
     assert "NaN" not in status.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: a real full disk on the CPU (needs root, as CI runs; skipped where mount is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_full_disks_give_one_message_and_a_ledger_that_says_so(cpu_recipe, tmp_path, small_disk):
+    import re
+
+    from lf_adapter.memory import checkpoint_gib
+    from lf_adapter.plan import Plan
+    from lf_adapter.recipe_file import load_recipe, recipe_model_spec
+
+    recipe = cpu_recipe("max_steps=2")
+    need_mib = checkpoint_gib(recipe_model_spec(load_recipe(recipe)), Plan("fp32", 1, 8)) * 1024
+    assert need_mib < 3
+    (small_disk / "filler").write_bytes(b"\0" * int((3 - need_mib / 2) * 2**20))  # leaves half a checkpoint
+    recipe.write_text(re.sub(r"(?m)^output_dir: .*$", f"output_dir: {small_disk / 'out'}", recipe.read_text()))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run")
+    ledger = _ledger(tmp_path / "run")
+    assert result.returncode == 1 and "one checkpoint" in result.stderr and "GiB free" in result.stderr, result.stderr
+    assert ledger["status"] == "failed" and ledger["attempts"] == [] and "Traceback" not in result.stderr
+    # the run folder itself on a disk with no space left: one message, no traceback
+    with open(small_disk / "filler2", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+        except OSError:
+            pass
+    full = run_lfa("train", recipe, "--run-dir", small_disk / "run")
+    assert full.returncode == 1 and "disk is full" in full.stderr and "Traceback" not in full.stderr, full.stderr
+
+
+def test_loss_stuck_at_ln_vocab_is_stopped_with_stop_on_divergence(cpu_recipe, tmp_path):
+    """A real divergence without NaN (learning rate 1e4 on the tiny model): the loss sits at ln(vocab)."""
+    recipe = cpu_recipe("max_steps=40", "learning_rate=1.0e+4", extra=("--logging-steps", "1"))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "1", "--stop-on-divergence",
+                     "--json")
+    [attempt] = _ledger(tmp_path / "run")["attempts"]
+    assert attempt["failure"]["kind"] == "loss_diverged", result.stdout[-2000:]
+    assert attempt["last_step"] < 40 and "ln(vocab)" in attempt["divergence_warning"]
