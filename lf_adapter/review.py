@@ -21,7 +21,7 @@ import yaml
 from . import UserError, templates_dir
 from .hardware import HardwareProfile
 from .memory import estimate, host_memory
-from .model_spec import ModelSpec, load_model_spec
+from .model_spec import ModelSpec
 from .plan import Plan
 from .planner import predict_tokens_per_s
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view

@@ -1,6 +1,8 @@
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,28 @@ def cpu_recipe(tmp_path, demo_assets):
         assert result.returncode == 0, result.stderr
         return out / "train.yaml"
     return make
+
+
+# run folders: what the ledger, the trainer log and lfa's events say
+def _ledger(run_dir):
+    return json.loads((run_dir / "ledger.json").read_text())
+
+def _losses(output_dir):
+    return [json.loads(l) for l in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+
+def _start_train(recipe, run_dir, env):
+    full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--run-dir", str(run_dir)],
+                            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+def _events(run_dir):
+    path = run_dir / "events.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
