@@ -10,8 +10,8 @@ from . import UserError
 from .launch import launch_env
 from .monitor import Failure, LineReader, classify, failure_classes
 from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
-from .remedies import Attempt, Context, Remedy, hub_mirror_from_env, next_remedy
-from .runs import _planning_model, _resolved_text, key_changes, plan_keys, write_deepspeed_config
+from .remedies import Attempt, Remedy, next_remedy
+from .runs import _resolved_text, key_changes, plan_keys, recovery_context, trained_model_spec, write_deepspeed_config
 
 
 @dataclass
@@ -52,15 +52,10 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
         return Diagnosis(failure, advice=advice or _generic_ladder(failure))
     recipe = load_recipe(recipe_path)
     hw = recipe_hardware(recipe, hardware)
-    lr = recipe.data.get("learning_rate")
-    kwargs = recipe.data.get("lr_scheduler_kwargs")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
-    context = Context(hardware=hw, allow_hparam_change=allow_hparam_change,
-                      learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
-                      model_cached=model_dir.is_dir(), scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
-                      model=_planning_model(recipe), seq_len=int(recipe.data.get("cutoff_len") or 2048),
-                      mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
-                      liger_available=bool(recipe.data.get("enable_liger_kernel")))
+    # the log came from another machine: liger is there if the recipe used it
+    context = recovery_context(recipe, hw, trained_model_spec(recipe), bool(recipe.data.get("enable_liger_kernel")),
+                               allow_hparam_change)
     attempt = Attempt(plan_from_recipe(recipe, hw))
     remedy = next_remedy(attempt, failure, context, set())
     diagnosis = Diagnosis(failure, remedy, advice)

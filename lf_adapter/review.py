@@ -180,7 +180,7 @@ def _accepts(annotation, value) -> bool:
     if annotation is str:
         return isinstance(value, str)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return isinstance(value, str) and value in {str(member.value) for member in annotation}
+        return isinstance(value, str) and value in _choices(annotation)
     return True
 
 
@@ -520,9 +520,8 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
             (isinstance(v, bool) or not isinstance(v, int) or v < 1))}
         plan = plan_from_recipe(Recipe(recipe.path, readable, recipe.meta, recipe.text), hw)
         try:
-            deepspeed_setup(recipe, where)
-            plan = plan.replace(**dict(zip(("deepspeed", "offload"), deepspeed_setup(recipe, where))))
-            unreadable_ds = False
+            stage, offload = deepspeed_setup(recipe, where)
+            plan, unreadable_ds = plan.replace(deepspeed=stage, offload=offload), False
         except UserError:
             pass
     spec = _model_spec(recipe, model, where)

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from . import UserError
-from .hardware import GpuMemoryProbe, installed_versions
+from .hardware import GpuMemoryProbe, HardwareProfile, installed_versions
 from .memory import checkpoint_gib
 from .model_spec import ModelSpec, load_model_spec
 from .launch import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
@@ -244,7 +244,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         log_file.flush()
         started = time.time()
         process = start(command, cwd, env, log_file)
-        interrupted.update(process=process, last_process=process, result=result)
+        interrupted.update(process=process, result=result)
         on_start(process.pid)
         follower = FileFollower(log_path)
         detected_at = None
@@ -392,14 +392,30 @@ def disk_shortfall(output_dir: Path, model: ModelSpec | None, plan: Plan, recipe
             "new one is written)")
 
 
-def _planning_model(recipe: Recipe) -> ModelSpec | None:
-    """The shape OOM recovery plans for; None (the plain ladder) when lfa cannot know it. LFA_EMULATE_MODEL names
-    another shape: fault-injection tests emulate a 6.7B OOM while a tiny model trains on the CPU."""
-    emulated = os.environ.get("LFA_EMULATE_MODEL")
+def trained_model_spec(recipe: Recipe) -> ModelSpec | None:
+    """The shape of the model the recipe trains (what is written to disk); None when lfa cannot know it."""
     try:
-        return load_model_spec(emulated) if emulated else recipe_model_spec(recipe)
+        return recipe_model_spec(recipe)
     except UserError:
         return None
+
+
+def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSpec | None, liger_available: bool,
+                     allow_hparam_change: bool = False) -> Context:
+    """What remedies need to know of a run: the recipe's schedule and model, the hardware, the shape OOM recovery
+    plans for (None: the plain ladder). LFA_EMULATE_MODEL names another shape to plan for: fault-injection tests
+    emulate a 6.7B OOM while a tiny model trains on the CPU."""
+    emulated = os.environ.get("LFA_EMULATE_MODEL")
+    lr = recipe.data.get("learning_rate")
+    kwargs = recipe.data.get("lr_scheduler_kwargs")
+    model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
+    return Context(hardware=hardware, allow_hparam_change=allow_hparam_change,
+                   learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
+                   model_cached=model_dir.is_dir(), scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
+                   model=load_model_spec(emulated) if emulated else trained,
+                   seq_len=int(recipe.data.get("cutoff_len") or 2048),
+                   mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
+                   liger_available=liger_available)
 
 
 def supervise(request: TrainRequest) -> int:
@@ -429,23 +445,15 @@ def supervise(request: TrainRequest) -> int:
             raise UserError(f"--set {item!r}: expected key=value")
         key, value = item.split("=", 1)
         user_keys[key] = parse_value(value)
-    lr = recipe.data.get("learning_rate")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
-    context = Context(hardware=hardware, allow_hparam_change=request.allow_hparam_change,
-                      learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
-                      model_cached=model_dir.is_dir(), scheduler_kwargs=recipe.data.get("lr_scheduler_kwargs")
-                      if isinstance(recipe.data.get("lr_scheduler_kwargs"), dict) else None,
-                      model=_planning_model(recipe), seq_len=int(recipe.data.get("cutoff_len") or 2048),
-                      mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
-                      liger_available=installed_versions().get("liger-kernel") is not None)
+    trained_model = trained_model_spec(recipe)
+    context = recovery_context(recipe, hardware, trained_model,
+                               liger_available=installed_versions().get("liger-kernel") is not None,
+                               allow_hparam_change=request.allow_hparam_change)
     # --set keys are part of the recipe this run starts from: the plan (and every remedy) starts from them, and a
     # remedy's change wins over them on the next attempt
     effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
     attempt = Attempt(plan_from_recipe(effective, hardware))
-    try:
-        trained_model = recipe_model_spec(recipe)  # what is written to disk (not an emulated shape)
-    except UserError:
-        trained_model = None
     launch_keys = {}
     if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
             and "master_addr" not in recipe.data and "master_addr" not in user_keys:
@@ -478,7 +486,7 @@ def supervise(request: TrainRequest) -> int:
     try:
         for _ in range(request.max_attempts):
             n = len(ledger.attempts) + 1
-            short = disk_shortfall(output_dir, trained_model, attempt.plan, recipe)
+            short = disk_shortfall(output_dir, trained_model, attempt.plan, effective)
             if short:
                 ledger.data["status"] = "failed"
                 ledger.data["error"] = short
@@ -601,7 +609,7 @@ def supervise(request: TrainRequest) -> int:
             last = ledger.attempts[-1]
             last.setdefault("status", "stopped")
             progress = interrupted.get("result") or {}
-            process = interrupted.get("last_process")
+            process = interrupted.get("process")  # set while an attempt runs: the signal came during it
             last.update({k: progress.get(k) for k in ("first_step", "last_step") if k not in last},
                         returncode=last.get("returncode", process.poll() if process is not None else None),
                         ended_at=last.get("ended_at", time.time()))
