@@ -225,6 +225,21 @@ def _read_events(events_follower: FileFollower, reader: LineReader, state: dict)
     return changed
 
 
+def _note_step(result: dict, step: int) -> None:
+    result["first_step"] = result["first_step"] or step
+    result["last_step"] = max(result["last_step"] or 0, step)
+
+
+def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: TrainerLogWatcher, result: dict) -> None:
+    """After a stop signal: the steps the trainer reported before it ended, which the loop had no time to read."""
+    state: dict = {}
+    if _read_events(events, events_reader, state) and state.get("step"):
+        _note_step(result, state["step"])
+    for record in watcher.poll():
+        if record.get("current_steps") is not None:
+            _note_step(result, record["current_steps"])
+
+
 def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
                  reporter: Reporter, interrupted: dict, on_start, vocab_size: int | None = None,
                  stop_on_divergence: bool = False) -> dict:
@@ -244,7 +259,8 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         log_file.flush()
         started = time.time()
         process = start(command, cwd, env, log_file)
-        interrupted.update(process=process, result=result)
+        interrupted.update(process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher,
+                                                                                   result))
         on_start(process.pid)
         follower = FileFollower(log_path)
         detected_at = None
@@ -257,13 +273,14 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                     detected_at = time.time()
                     result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
             changed = _read_events(events, events_reader, state)
+            if changed and state.get("step"):  # the plugin's step event can precede trainer_log.jsonl's record
+                _note_step(result, state["step"])
             if time.time() - probed_at > 2.0:
                 state["gpu_used_gib"], probed_at, changed = gpu_probe.used_gib(), time.time(), True
             for record in watcher.poll():
                 step = record.get("current_steps")
                 if step is not None:
-                    result["first_step"] = result["first_step"] or step
-                    result["last_step"] = step
+                    _note_step(result, step)
                     state.update(step=step, total=record.get("total_steps"))
                 state.update({k: record[k] for k in ("loss", "lr") if k in record})
                 if record.get("remaining_time"):
@@ -608,8 +625,10 @@ def supervise(request: TrainRequest) -> int:
         if ledger.attempts:
             last = ledger.attempts[-1]
             last.setdefault("status", "stopped")
-            progress = interrupted.get("result") or {}
             process = interrupted.get("process")  # set while an attempt runs: the signal came during it
+            if process is not None and interrupted.get("drain"):
+                interrupted["drain"]()
+            progress = interrupted.get("result") or {}
             last.update({k: progress.get(k) for k in ("first_step", "last_step") if k not in last},
                         returncode=last.get("returncode", process.poll() if process is not None else None),
                         ended_at=last.get("ended_at", time.time()))
