@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import importlib.util
 import json
 import shlex
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import click
 
 from . import UserError, __version__
+from .launch import REPORT_TO
 
 
 def user_errors(fn):
@@ -169,6 +171,9 @@ def _print_host(host) -> None:
               "= the paper's 8 per device x 8 accumulation, world size unknown). Changing it is a hyper-parameter change.")
 @click.option("--save-steps", type=int, default=500, show_default=True)
 @click.option("--logging-steps", type=int, default=10, show_default=True)
+@click.option("--report-to", type=click.Choice(["none", "tensorboard", "wandb", "swanlab"]), default="none",
+              show_default=True, help="Experiment tracker, written as LLaMA-Factory's report_to (W&B offline and "
+              "SwanLab local unless you say otherwise: this machine may have no internet).")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Recipe folder (default recipes/<task>).")
 @click.option("--force", is_flag=True, help="Overwrite files in the recipe folder.")
 @click.option("--check", is_flag=True, help="Regenerate every golden recipe in recipes/ and fail on drift.")
@@ -176,7 +181,7 @@ def _print_host(host) -> None:
 @user_errors
 def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, launcher,
              llamafactory_version, no_sorted_steps, sets, effective_batch, save_steps,
-             logging_steps, out_dir, force, check, as_json):
+             logging_steps, report_to, out_dir, force, check, as_json):
     """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
 
     Example: lfa generate --task pseudo2norm --model LLM4Binary/llm4decompile-1.3b-v2 --hardware v100-32g -o out/
@@ -205,13 +210,13 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
         + [x for s in pins for x in ("--pin", s)] \
         + (["--launcher", launcher] if launcher != "torchrun" else []) \
         + (["--llamafactory-version", llamafactory_version] if llamafactory_version else []) \
-        + [x for s in sets for x in ("--set", s)]
+        + [x for s in sets for x in ("--set", s)] + (["--report-to", report_to] if report_to != "none" else [])
     request = GenerateRequest(task=task, out_dir=out, model=model, dataset=dataset, template=template,
                               hardware=hardware, gpus=gpus, allow_packing=allow_packing, precision=precision,
                               sort_steps=not no_sorted_steps, pins=tuple(pins), launcher=launcher,
                               llamafactory_version=llamafactory_version,
                               sets=tuple(sets), save_steps=save_steps, logging_steps=logging_steps,
-                              command="lfa generate " + shlex.join(args))
+                              command="lfa generate " + shlex.join(args), report_to=report_to)
     gen = run_generate(request)
     written = write_recipe_dir(gen.files, out, force=force)
     if as_json:
@@ -225,6 +230,10 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
         click.echo(gen.dataset.report(int(hp["cutoff_len"]), int(hp["effective_batch_size"]),
                                       float(hp.get("num_train_epochs", 1.0))))
     click.echo("wrote: " + ", ".join(str(p) for p in written))
+    tracker = REPORT_TO[report_to]
+    if tracker and importlib.util.find_spec(tracker) is None:
+        click.echo(f"note: --report-to {report_to} needs the {tracker} package where training runs: "
+                   f"pip install {tracker}", err=True)
 
 
 @main.command("data")
@@ -487,14 +496,27 @@ def status(runs, as_json):
         click.echo("no runs under ./runs")
     for error in unreadable:
         click.echo(f"lfa: {error}", err=True)
-    for s in statuses:
-        step = f"step {s.step}/{s.total_steps}" if s.step is not None else "no step yet"
-        extras = [f"loss {s.loss:.4f}" if s.loss is not None else "",
-                  f"{s.tokens_per_s:,} tok/s" if s.tokens_per_s else "",
-                  f"GPU {s.gpu_reserved_gib:.1f} GiB" if s.gpu_reserved_gib else "",
-                  f"last failure {s.failure}" if s.failure else ""]
-        click.echo(f"{s.name:24s} {s.state:10s} attempt {s.attempts}  {step}  " + "  ".join(e for e in extras if e))
+    if statuses:
+        click.echo(status_table(statuses))
     sys.exit(1 if unreadable else 0)
+
+
+def status_table(statuses) -> str:
+    """One row per run: run, state, attempt, step/total, loss, tok/s, GPU, ETA, started, last failure."""
+    import datetime as dt
+    import math
+
+    def number(value, fmt):
+        return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, fmt)
+
+    header = ("run", "state", "attempt", "step", "loss", "tok/s", "GPU GiB", "ETA", "started", "last failure")
+    rows = [header] + [(s.name, s.state, str(s.attempts),
+                        f"{s.step}/{s.total_steps or '-'}" if s.step is not None else "-",
+                        number(s.loss, ".4f"), number(s.tokens_per_s, ",.0f"), number(s.gpu_reserved_gib, ".1f"),
+                        str(dt.timedelta(seconds=round(s.eta_s))) if s.eta_s is not None else "-",
+                        (s.started or "-").replace("T", " "), s.failure or "-") for s in statuses]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 @main.command()
@@ -534,6 +556,33 @@ def stop(run, timeout_s):
 
 
 @main.command()
+@click.argument("run")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where report.html and the PNGs go "
+              "(default: the run folder).")
+@user_errors
+def report(run, out_dir):
+    """Draw RUN (a run folder or a name under ./runs) into report.html and PNGs: loss, grad norm, tokens/s and
+    GPU memory against the plan's prediction, GPU utilization and power, learning rate, the attempts table and the
+    recipe diff between the first and last attempt. Works on finished, stopped, crashed and running runs.
+
+    Example: lfa report runs/v100-32g
+    """
+    from .report import summary_lines, write_report
+    from .run_control import resolve_run_dir
+
+    run_dir = resolve_run_dir(run)
+    target = Path(out_dir) if out_dir else None
+    if target is not None and target.exists() and not target.is_dir():
+        raise UserError(f"--out {out_dir} is a file, not a folder")
+    try:
+        result, page = write_report(run_dir, target)
+    except PermissionError as exc:
+        raise UserError(f"cannot write the report: {exc}") from None
+    for line in summary_lines(result, page)[1:]:
+        click.echo(line)
+
+
+@main.command()
 @click.option("--dir", "root", type=click.Path(file_okay=False), default=".lfa/demo", show_default=True,
               help="Where the tiny model, sample data, recipe and run go.")
 @click.option("--rows", type=int, default=256, show_default=True)
@@ -549,7 +598,7 @@ def demo(root, rows, max_steps):
     from .demo import build_demo_assets
     from .recipe import GenerateRequest, generate as run_generate
     from .render import write_recipe_dir
-    from .runs import TrainRequest, supervise
+    from .runs import Reporter, TrainRequest, finish_run, supervise
 
     root_path = Path(root)
     model, data = build_demo_assets(root_path, rows)
@@ -561,12 +610,13 @@ def demo(root, rows, max_steps):
     write_recipe_dir(gen.files, out, force=True)
     _print_plan(gen.result, gen.model, gen.hardware)
     code = supervise(TrainRequest(recipe=out / "train.yaml", run_dir=root_path / "run", name="demo",
-                                  max_attempts=2, fresh=True))
+                                  max_attempts=2, fresh=True), finish=False)
     log = out / "saves" / "pseudo2norm" / "trainer_log.jsonl"
     if log.is_file():
         click.echo("loss curve (trainer_log.jsonl):")
         click.echo(loss_curve_text(log))
-    click.echo(f"this run: lfa status {root_path / 'run'}; lfa logs {root_path / 'run'}")
+    finish_run(root_path / "run", Reporter(json_events=False))
+    click.echo(f"this run: lfa status {root_path / 'run'}; lfa logs {root_path / 'run'}; lfa report {root_path / 'run'}")
     sys.exit(code)
 
 

@@ -24,9 +24,19 @@ class LaunchEnv:
     why: str
 
 
-def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None) -> list[LaunchEnv]:
-    """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them."""
+# experiment trackers `lfa generate --report-to` writes, and the package each needs in the training environment
+REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+
+
+def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None,
+               report_to=None) -> list[LaunchEnv]:
+    """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them. report_to: the
+    recipe's LLaMA-Factory `report_to` (a name or a list)."""
     env = [LaunchEnv("DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers")]
+    trackers = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if "wandb" in trackers:
+        env.append(LaunchEnv("WANDB_MODE", "${WANDB_MODE:-offline}", "W&B logs offline unless you set WANDB_MODE "
+                                                                     "(`wandb sync` uploads later)"))
     if offline:
         env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
     distributed = plan.deepspeed is not None or plan.world_size > 1

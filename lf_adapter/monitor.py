@@ -139,6 +139,10 @@ def fold_event(state: dict, event: dict) -> None:
             rate = event["step_tokens"] / event["step_time_s"]
             previous = state.get("tokens_per_s")
             state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate
+        if event.get("step_time_s"):
+            previous = state.get("step_time_s")
+            state["step_time_s"] = event["step_time_s"] if previous is None else \
+                0.7 * previous + 0.3 * event["step_time_s"]
     if event.get("event") == "log" and "loss" in event:
         state["loss"] = event["loss"]
     if "gpu_reserved_gib" in event:

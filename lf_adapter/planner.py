@@ -192,6 +192,30 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
     return sorted(fitting, key=key)
 
 
+def predict(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
+            mean_seq_fraction: float) -> Candidate:
+    """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
+    draws beside the measurements)."""
+    vram = hardware.gpu.vram_gib if hardware.has_gpu else None
+    fraction = 1.0 if plan.packing else mean_seq_fraction
+    return Candidate(plan, estimate(model, plan, seq_len, vram),
+                     predict_tokens_per_s(model, plan, hardware, seq_len, fraction), host_memory(model, plan, hardware))
+
+
+def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
+    """What a speed and wall-time prediction rests on: the throughput model was fitted on H200 runs only."""
+    if not hardware.has_gpu:
+        return "CPU: a rough FLOP rate, not measured"
+    gpu = hardware.gpu
+    basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
+             f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
+    if plan.offload != "none":
+        basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
+    if "H200" in gpu.name:
+        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%"
+    return basis + "; not measured on this GPU"
+
+
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
          options: PlanOptions = PlanOptions(), suggest: bool = True) -> PlanResult:
     """The fastest plan that fits GPU and host memory. NoPlanFits when none does (with suggest: what would)."""

@@ -44,6 +44,7 @@ class GenerateRequest:
     logging_steps: int = 10
     name: str = "train"
     command: str = ""
+    report_to: str = "none"  # a key of launch.REPORT_TO
 
 
 @dataclass
@@ -195,6 +196,7 @@ def generate(request: GenerateRequest) -> Generated:
                           recipe_name=request.name, hyperparameters=hp, extra=extra,
                           offline=local_model,
                           save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta,
-                          llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5")
+                          llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
+                          report_to=request.report_to)
     return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task,
                      dataset=profile, hyperparameters=hp)

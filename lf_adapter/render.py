@@ -53,6 +53,7 @@ class RecipeInputs:
     logging_steps: int = 10
     meta: dict = field(default_factory=dict)
     llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
+    report_to: str = "none"  # one of REPORT_TO
 
 
 YAML_11_SPECIAL = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
@@ -111,12 +112,12 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
         save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
         ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
-        ray_logical_cpus=ray_logical_cpus(inputs.hardware))
+        ray_logical_cpus=ray_logical_cpus(inputs.hardware), report_to=inputs.report_to)
     files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
     hw = inputs.hardware
     env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
                    for e in launch_env(plan, offline=inputs.offline, master_port=hw.master_port,
-                                       master_addr=hw.master_addr)]
+                                       master_addr=hw.master_addr, report_to=inputs.report_to)]
     files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
         lfa_version=__version__, recipe_file=recipe_file, env=env_entries)
     common = dict(lfa_version=__version__, recipe_file=recipe_file, nodes=hw.nodes, world=plan.world_size,

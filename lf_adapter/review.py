@@ -23,7 +23,7 @@ from .hardware import HardwareProfile
 from .memory import estimate, host_memory
 from .model_spec import ModelSpec
 from .plan import Plan
-from .planner import predict_tokens_per_s
+from .planner import predict, speed_basis
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
 from .recipe_file import (LlamaFactoryLoader, Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware,
                           recipe_model_spec)
@@ -432,16 +432,15 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
         summary["note"] = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
         return summary
     summary["model"] = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
+    predicted = predict(spec, plan, hardware, cutoff, fraction)
     if hardware.has_gpu:
-        mem = estimate(spec, plan, cutoff, hardware.gpu.vram_gib)
-        summary["memory_gib"] = {k: round(v, 2) for k, v in mem.items.items()}
-        summary["reserved_gib"] = round(mem.reserved_gib, 2)
+        summary["memory_gib"] = {k: round(v, 2) for k, v in predicted.memory.items.items()}
+        summary["reserved_gib"] = round(predicted.memory.reserved_gib, 2)
         summary["budget_gib"] = hardware.gpu.vram_gib
-        summary["fits"] = mem.fits
-    host = host_memory(spec, plan, hardware)
-    summary["host_gib"] = round(host.total_gib, 1)
-    summary["host_ram_gib"] = host.ram_gib
-    tokens_per_s = predict_tokens_per_s(spec, plan, hardware, cutoff, fraction)
+        summary["fits"] = predicted.memory.fits
+    summary["host_gib"] = round(predicted.host.total_gib, 1)
+    summary["host_ram_gib"] = predicted.host.ram_gib
+    tokens_per_s = predicted.tokens_per_s
     summary["predicted_tokens_per_s"] = round(tokens_per_s)
     summary["speed_basis"] = speed_basis(hardware, plan)
     rows = _dataset_rows(recipe, workdir or recipe.folder)
@@ -453,20 +452,6 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
         summary["dataset_rows"] = rows
         summary["predicted_wall_time_s"] = round(total / tokens_per_s)
     return summary
-
-
-def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
-    """What a speed and wall-time prediction rests on: the throughput model was fitted on H200 runs only."""
-    if not hardware.has_gpu:
-        return "CPU: a rough FLOP rate, not measured"
-    gpu = hardware.gpu
-    basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
-             f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
-    if plan.offload != "none":
-        basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
-    if "H200" in gpu.name:
-        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%"
-    return basis + "; not measured on this GPU"
 
 
 def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:

@@ -12,10 +12,8 @@ from pathlib import Path
 
 from . import UserError
 from .launch import alive, group_alive
+from .ledger import FINAL_STATES as FINAL, read_ledger, write_ledger
 from .monitor import FileFollower, fold_event
-
-FINAL = {"succeeded", "failed", "stopped"}
-
 
 def resolve_run_dir(run: str) -> Path:
     """A run directory, or a run name under ./runs."""
@@ -23,16 +21,6 @@ def resolve_run_dir(run: str) -> Path:
         if (candidate / "ledger.json").is_file() or (candidate / "supervisor.pid").is_file():
             return candidate
     raise UserError(f"no run '{run}': neither {run} nor runs/{run} holds a ledger.json (see `lfa status`)")
-
-
-def read_ledger(run_dir: Path) -> dict:
-    pid_file = run_dir / "supervisor.pid"
-    if not (run_dir / "ledger.json").is_file() and pid_file.is_file():  # lfa train --detach, a moment after start
-        return {"status": "starting", "supervisor_pid": int(pid_file.read_text().strip() or 0), "attempts": []}
-    try:
-        return json.loads((run_dir / "ledger.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read {run_dir / 'ledger.json'}: {exc}") from None
 
 
 @dataclass
@@ -46,6 +34,8 @@ class RunStatus:
     loss: float | None = None
     tokens_per_s: float | None = None
     gpu_reserved_gib: float | None = None
+    eta_s: float | None = None  # running runs: steps left x the recent step time
+    started: str | None = None  # the first attempt's start
     failure: str | None = None
     supervisor_pid: int | None = None
     trainer_pid: int | None = None
@@ -68,23 +58,27 @@ def _last_events(run_dir: Path) -> dict:
             fold_event(state, json.loads(line))
         except json.JSONDecodeError:
             continue
-    return {"step": state.get("step"), "total_steps": state.get("total"), "loss": state.get("loss"),
+    step, total = state.get("step"), state.get("total")
+    eta = (total - step) * state["step_time_s"] if step is not None and total and state.get("step_time_s") else None
+    return {"step": step, "total_steps": total, "loss": state.get("loss"), "eta_s": eta,
             "gpu_reserved_gib": state.get("gpu_reserved_gib"),
             "tokens_per_s": round(state["tokens_per_s"]) if state.get("tokens_per_s") else None}
 
 
 def run_status(run_dir: Path) -> RunStatus:
     ledger = read_ledger(run_dir)
-    attempts = ledger.get("attempts", [])
-    last = attempts[-1] if attempts else {}
-    state = ledger.get("status", "new")
-    if state not in FINAL and not alive(ledger.get("supervisor_pid")):
+    last = ledger.last
+    state = ledger.status
+    if state not in FINAL and not alive(ledger.supervisor_pid):
         state = "dead"
-    status = RunStatus(name=run_dir.resolve().name, dir=str(run_dir), state=state, attempts=len(attempts),
-                       supervisor_pid=ledger.get("supervisor_pid"), trainer_pid=last.get("trainer_pid"),
-                       failure=(last.get("failure") or {}).get("kind"))
+    status = RunStatus(name=ledger.name or run_dir.resolve().name, dir=str(run_dir), state=state, attempts=len(ledger.attempts),
+                       supervisor_pid=ledger.supervisor_pid, trainer_pid=last.trainer_pid if last else None,
+                       failure=((last.failure or {}).get("kind") if last else None),
+                       started=ledger.attempts[0].started if ledger.attempts else None)
     for key, value in _last_events(run_dir).items():
         setattr(status, key, value)
+    if state != "running":
+        status.eta_s = None
     return status
 
 
@@ -99,11 +93,11 @@ def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
     """Graceful first (SIGINT to the supervisor, which stops the trainer's group: SIGINT, SIGTERM, SIGKILL), then
     forced (SIGKILL to both groups). Returns (what happened, whether any process of the trainer group remains)."""
     ledger = read_ledger(run_dir)
-    supervisor = ledger.get("supervisor_pid")
-    trainers = [a.get("trainer_pid") for a in ledger.get("attempts", []) if a.get("trainer_pid")]
+    supervisor = ledger.supervisor_pid
+    trainers = [a.trainer_pid for a in ledger.attempts if a.trainer_pid]
     trainer = trainers[-1] if trainers else None
     if not alive(supervisor) and not group_alive(trainer):
-        return f"not running ({ledger.get('status', 'unknown')})", False
+        return f"not running ({ledger.status})", False
     how = "graceful"
     if alive(supervisor):
         os.kill(supervisor, signal.SIGINT)
@@ -120,9 +114,8 @@ def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
                 pass
         time.sleep(0.5)
         ledger = read_ledger(run_dir)
-        ledger["status"] = "stopped"
-        ledger["stopped_by"] = "lfa stop (forced)"
-        (run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2, default=str))
+        ledger.status, ledger.stopped_by = "stopped", "lfa stop (forced)"
+        write_ledger(run_dir, ledger)
     return f"stopped ({how})", group_alive(trainer)
 
 

@@ -19,12 +19,14 @@ import click
 
 from . import UserError
 from .hardware import GpuMemoryProbe, HardwareProfile, installed_versions
+from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
 from .memory import checkpoint_gib
 from .model_spec import ModelSpec, load_model_spec
 from .launch import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
 from .plan import Plan
+from .planner import predict, speed_basis
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
 from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
@@ -133,24 +135,6 @@ def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | No
 
 def _hash(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-class Ledger:
-    def __init__(self, run_dir: Path, recipe: Path):
-        self.path = run_dir / "ledger.json"
-        if self.path.is_file():
-            self.data = json.loads(self.path.read_text())
-        else:
-            self.data = {"recipe": str(recipe.resolve()), "attempts": [], "status": "new"}
-
-    @property
-    def attempts(self) -> list[dict]:
-        return self.data["attempts"]
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
 
 
 class Reporter:
@@ -379,15 +363,13 @@ def hold_run_locks(run_dir: Path, output_dir: Path, node_rank: int | None = None
 def end_orphaned_trainer(run_dir: Path) -> str | None:
     """A trainer whose supervisor died (kill -9) keeps its process group; its plugin saves and stops within a
     step once it notices, but a new supervisor must not start a second trainer beside it: end it first."""
-    from .run_control import read_ledger
-
-    if not (run_dir / "ledger.json").is_file():
+    if not (run_dir / LEDGER_NAME).is_file():
         return None
     try:
-        attempts = read_ledger(run_dir).get("attempts", [])
+        attempts = read_ledger(run_dir).attempts
     except UserError:
         return None
-    trainer = next((a.get("trainer_pid") for a in reversed(attempts) if a.get("trainer_pid")), None)
+    trainer = next((a.trainer_pid for a in reversed(attempts) if a.trainer_pid), None)
     if not group_alive(trainer):
         return None
     stop_process_group(trainer)
@@ -435,7 +417,46 @@ def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSp
                    liger_available=liger_available)
 
 
-def supervise(request: TrainRequest) -> int:
+def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, model: ModelSpec | None) -> dict:
+    """What the memory and throughput models predict for an attempt's plan, kept beside what it measured."""
+    if model is None:
+        return {}
+    seq_len = int(recipe.data.get("cutoff_len") or 2048)
+    c = predict(model, plan, hardware, seq_len, float(recipe.meta.get("mean_seq_fraction", 0.75)))
+    return {"tokens_per_s": round(c.tokens_per_s), "speed_basis": speed_basis(hardware, plan),
+            "reserved_gib": round(c.memory.reserved_gib, 3),
+            "budget_gib": c.memory.budget_gib, "limit_gib": c.memory.limit_gib,
+            "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2)}
+
+
+def supervise(request: TrainRequest, finish: bool = True) -> int:
+    """Prepare, run the attempts, finish: the run's exit code; the summary block and report once it ran
+    (finish=False: the caller calls finish_run itself)."""
+    started: dict = {}
+    code = _attempt_loop(request, started)
+    if started and finish:
+        finish_run(started["run_dir"], started["reporter"])
+    return code
+
+
+def finish_run(run_dir: Path, reporter: Reporter) -> None:
+    """The summary block (attempts, wall time, speed and memory against the prediction, final loss) and
+    report.html with its PNGs in the run folder. A report that cannot be drawn never changes the run's outcome."""
+    from .report import headline, summary_lines, write_report
+
+    try:
+        report, page = write_report(run_dir)
+    except (UserError, OSError, ValueError) as exc:
+        reporter.event("report_error", f"lfa: no report written: {exc}", error=str(exc))
+        return
+    if reporter.json_events:
+        reporter.event("summary", "", report=str(page), **headline(report))
+    else:
+        for line in summary_lines(report, page):
+            reporter.event("summary", line)
+
+
+def _attempt_loop(request: TrainRequest, started: dict) -> int:
     recipe = load_recipe(request.recipe)
     hardware = recipe_hardware(recipe, request.hardware)
     if "output_dir" not in recipe.data:
@@ -449,13 +470,17 @@ def supervise(request: TrainRequest) -> int:
     if request.fresh:  # earlier checkpoints are renamed aside, never deleted
         for step, path in _checkpoints(output_dir):
             path.rename(path.with_name(f"superseded-{path.name}-{int(time.time())}"))
-    ledger = Ledger(run_dir, recipe.path)
+    ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
+
+    def save() -> None:
+        write_ledger(run_dir, ledger)
     rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
                                                             ("MASTER_ADDR", request.master_addr),
                                                             ("MASTER_PORT", request.master_port)) if value is not None}
     if request.node_rank is not None and not 0 <= request.node_rank < hardware.nodes:
         raise UserError(f"--node-rank {request.node_rank}: the recipe's hardware has {hardware.nodes} node(s)")
     reporter = Reporter(request.json_events)
+    started.update(run_dir=run_dir, reporter=reporter)
     user_keys = {}
     for item in request.overrides:
         if "=" not in item:
@@ -493,21 +518,20 @@ def supervise(request: TrainRequest) -> int:
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
     for earlier in ledger.attempts:  # attempts of a supervisor that died (kill -9) never got a status
-        earlier.setdefault("status", "supervisor died")
-    ledger.data.update(status="running", supervisor_pid=os.getpid())
+        earlier.status = earlier.status or "supervisor died"
+    ledger.status, ledger.supervisor_pid, ledger.error, ledger.name = "running", os.getpid(), None, name
     if ended_orphan:
-        ledger.data.setdefault("notes", []).append(ended_orphan)
+        ledger.notes.append(ended_orphan)
         reporter.event("orphan", f"lfa: {ended_orphan}", note=ended_orphan)
-    ledger.save()
+    save()
     previous_changes: dict = {}
     try:
         for _ in range(request.max_attempts):
             n = len(ledger.attempts) + 1
             short = disk_shortfall(output_dir, trained_model, attempt.plan, effective)
             if short:
-                ledger.data["status"] = "failed"
-                ledger.data["error"] = short
-                ledger.save()
+                ledger.status, ledger.error = "failed", short
+                save()
                 reporter.event("error", f"lfa: {short}", kind="disk_space")
                 return 1
             changes = key_changes(effective, attempt, base_plan_keys)
@@ -519,32 +543,36 @@ def supervise(request: TrainRequest) -> int:
                 if output_dir.exists() else None
             if checkpoint:
                 overrides["resume_from_checkpoint"] = str(checkpoint)
-                if not any(a.get("resumed_from") or a.get("last_step") for a in ledger.attempts):
+                if not any(a.resumed_from or a.last_step for a in ledger.attempts):
                     reporter.event("resume_note", f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
                                    "run; pass --fresh to start over (it renames old checkpoints aside)",
                                    checkpoint=str(checkpoint))
             entries = launch_env(attempt.plan, offline=model_dir.is_dir(), master_port=hardware.master_port,
-                                 master_addr=hardware.master_addr)
+                                 master_addr=hardware.master_addr, report_to=effective.data.get("report_to"))
             env = resolve_env(entries)
             env.update(attempt.env)
             env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
             env["LFA_SUPERVISOR_PID"] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
             env.update(rendezvous_env)
             command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()])
-            record = {"n": n, "started": dt.datetime.now().isoformat(timespec="seconds"), "plan": attempt.plan.label(),
-                      "overrides": overrides, "env": {e.name: env[e.name] for e in entries} | attempt.env,
-                      "recipe_hash": _hash({**recipe.data, **overrides}),
-                      "diff_from_previous": {k: v for k, v in changes.items() if previous_changes.get(k) != v},
-                      "resumed_from": str(checkpoint) if checkpoint else None}
+            env["LFA_ATTEMPT"] = str(n)
+            record = AttemptRecord(
+                n=n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=attempt.plan.label(),
+                overrides=overrides, env={e.name: env[e.name] for e in entries} | attempt.env,
+                recipe_hash=_hash({**recipe.data, **overrides}),
+                diff_from_previous={k: v for k, v in changes.items() if previous_changes.get(k) != v},
+                resumed_from=str(checkpoint) if checkpoint else None,
+                predicted=attempt_prediction(effective, hardware, attempt.plan, trained_model))
             reporter.event("attempt_start", f"[attempt {n}] {attempt.plan.label()}" +
                            (f" resuming from {checkpoint.name}" if checkpoint else "") +
                            (f" with {overrides}" if overrides else ""), attempt=n, plan=attempt.plan.label(),
                            overrides=overrides)
             ledger.attempts.append(record)
-            ledger.save()
+            save()
+
             def on_start(pid, record=record):
-                record["trainer_pid"] = pid
-                ledger.save()
+                record.trainer_pid = pid
+                save()
 
             result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start,
                                   trained_model.vocab_size if trained_model else None, request.stop_on_divergence)
@@ -558,52 +586,53 @@ def supervise(request: TrainRequest) -> int:
                 trusted_until = result["last_finite_step"]
                 if trusted_until is None and checkpoint is not None:  # diverged at once: keep what it resumed from
                     trusted_until = int(checkpoint.name.rsplit("-", 1)[1]) + 1
-                record["diverged_checkpoints_set_aside"] = set_aside_poisoned_checkpoints(output_dir, trusted_until)
-            record.update(result, failure=failure.to_dict() if failure else None)
+                record.diverged_checkpoints_set_aside = set_aside_poisoned_checkpoints(output_dir, trusted_until)
+            for key, value in result.items():
+                setattr(record, key, value)
+            record.failure = failure.to_dict() if failure else None
             previous_changes = changes
             if failure is None:
-                record["status"] = "succeeded"
-                ledger.data["status"] = "succeeded"
+                record.status = ledger.status = "succeeded"
                 if changes:
                     resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
                     env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
-                                 for k, v in record["env"].items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
+                                 for k, v in record.env.items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
                     resolved.write_text(_resolved_text(recipe, {**user_keys, **changes}, notes + env_notes))
-                    ledger.data["resolved_recipe"] = str(resolved)
+                    ledger.resolved_recipe = str(resolved)
                     reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
                                    path=str(resolved))
-                ledger.save()
+                save()
                 reporter.event("done", f"[attempt {n}] finished: {output_dir}", attempt=n, output_dir=str(output_dir))
                 return 0
-            record["status"] = "failed"
+            record.status = "failed"
             reporter.event("failure", f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
                            attempt=n, **failure.to_dict())
             if not failure.retriable:
-                ledger.data["status"] = "failed"
-                ledger.save()
+                ledger.status = "failed"
+                save()
                 advice = next((c.advice for c in failure_classes() if c.name == failure.kind), "")
                 reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {run_dir / result['log']}"
                                + (f"\n{advice}" if advice else ""), kind=failure.kind)
                 return 1
             remedy = next_remedy(attempt, failure, context, tried)
             if remedy is None or remedy.attempt is None:
-                ledger.data["status"] = "failed"
+                ledger.status = "failed"
                 if remedy is not None:
-                    record["remedy"] = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
-                ledger.save()
+                    record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
+                save()
                 reporter.event("error", f"lfa: {remedy.why}" if remedy else
                                f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
                                kind=failure.kind)
                 return 1
             note = f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}"
             notes.append(note)
-            record["remedy"] = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
-            ledger.save()
+            record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
+            save()
             reporter.event("remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action,
                            why=remedy.why)
             attempt = remedy.attempt
-        ledger.data["status"] = "failed"
-        ledger.save()
+        ledger.status = "failed"
+        save()
         reporter.event("error", f"lfa: retry budget of {request.max_attempts} attempts spent", kind="budget")
         return 1
     except OSError as exc:
@@ -611,9 +640,9 @@ def supervise(request: TrainRequest) -> int:
             raise
         message = (f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa train "
                    "again, it resumes from the newest complete checkpoint")
-        ledger.data["status"] = "failed"
+        ledger.status = "failed"
         try:
-            ledger.save()
+            save()
         except OSError:
             message += f" (the ledger in {run_dir} could not be updated either)"
         if interrupted["process"] is not None:
@@ -621,18 +650,20 @@ def supervise(request: TrainRequest) -> int:
         reporter.event("error", f"lfa: {message}", kind="disk_full")
         return 1
     except KeyboardInterrupt:
-        ledger.data["status"] = "stopped"
-        if ledger.attempts:
-            last = ledger.attempts[-1]
-            last.setdefault("status", "stopped")
+        ledger.status = "stopped"
+        last = ledger.last
+        if last is not None:
+            last.status = last.status or "stopped"
             process = interrupted.get("process")  # set while an attempt runs: the signal came during it
             if process is not None and interrupted.get("drain"):
                 interrupted["drain"]()
             progress = interrupted.get("result") or {}
-            last.update({k: progress.get(k) for k in ("first_step", "last_step") if k not in last},
-                        returncode=last.get("returncode", process.poll() if process is not None else None),
-                        ended_at=last.get("ended_at", time.time()))
-        ledger.save()
+            last.first_step = last.first_step if last.first_step is not None else progress.get("first_step")
+            last.last_step = last.last_step if last.last_step is not None else progress.get("last_step")
+            if last.returncode is None and process is not None:
+                last.returncode = process.poll()
+            last.ended_at = last.ended_at or time.time()
+        save()
         reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
         return 130
     finally:

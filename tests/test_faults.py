@@ -30,6 +30,12 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
     assert final["per_device_train_batch_size"] == 2 and final["gradient_accumulation_steps"] == 4
     resolved = recipe.with_name("train.resolved.yaml").read_text()
     assert resolved.startswith("# lfa train resolved this recipe") and "per_device_train_batch_size: 2" in resolved
+    # the summary block and the report mark the OOM and show what the retry changed
+    assert re.search(r"attempts     1: failed \(OOM\), .*: succeeded", result.stdout), result.stdout
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "cuda_oom" in page and "CUDA out of memory" in page and "halve_micro_batch" in page
+    diff = page.split("first attempt against last")[1]
+    assert "per_device_train_batch_size: 8 -&gt; 2" in diff
 
 def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=14", extra=("--save-steps", "4", "--logging-steps", "1"))
@@ -137,6 +143,11 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     assert len(saves) == 1
     status = json.loads(run_lfa("status", run_dir, "--json").stdout)[0]
     assert status["state"] == "dead"
+    # what the killed run left can be looked at: the steps it made, and that nobody recorded its end
+    report = run_lfa("report", run_dir, "--out", tmp_path / "report")
+    assert report.returncode == 0 and "run recipe: dead" in report.stdout, report.stdout + report.stderr
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "killed?" in page and page.count("data:image/png;base64,") == 5
     # lfa train again resumes from that checkpoint; no step is trained twice
     resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=400", env={"LFA_STEP_DELAY_S": "0"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -79,6 +79,14 @@ def _report_peak() -> None:
     print(f"{line} host_rss_gib={host_rss_gib()[1]:.2f} rank={os.environ.get('RANK', '0')}", flush=True)
 
 
+def _nvml_sample(cuda) -> dict:
+    """This rank's GPU utilization (%) and power (W) through NVML, for the run report; empty without NVML."""
+    try:
+        return {"gpu_util_pct": cuda.utilization(), "gpu_power_w": round(cuda.power_draw() / 1000.0, 1)}
+    except Exception:  # no nvidia-ml-py, or a driver without the counters
+        return {}
+
+
 class EventsCallback(TrainerCallback):
     """Progress as small JSON objects instead of parsed prints."""
 
@@ -94,8 +102,11 @@ class EventsCallback(TrainerCallback):
             event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
             # cudaFree + cudaMalloc retries: the allocator ran out of cached blocks (each one synchronizes)
             event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
+            event.update(_nvml_sample(cuda))
         event["host_rss_gib"] = round(host_rss_gib()[0], 3)
         event["time"] = time.time()
+        if os.environ.get("LFA_ATTEMPT", "").isdigit():
+            event["attempt"] = int(os.environ["LFA_ATTEMPT"])
         with open(self.path, "a") as fh:
             fh.write(json.dumps(event) + "\n")
 

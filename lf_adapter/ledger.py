@@ -1,0 +1,108 @@
+"""The run ledger (`runs/<name>/ledger.json`) as typed records: one reader, one atomic writer. The supervisor
+writes it, `lfa status/stop/report` and `lfa train`'s next run read it."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from . import UserError
+
+RunState = Literal["new", "starting", "running", "succeeded", "failed", "stopped"]
+AttemptState = Literal["succeeded", "failed", "stopped", "supervisor died"]
+FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "stopped"})
+LEDGER_NAME = "ledger.json"
+
+
+@dataclass
+class AttemptRecord:
+    n: int
+    started: str  # ISO time, for people
+    plan: str  # Plan.label()
+    overrides: dict = field(default_factory=dict)  # keys passed to llamafactory-cli on top of the recipe
+    env: dict = field(default_factory=dict)
+    recipe_hash: str = ""
+    diff_from_previous: dict = field(default_factory=dict)
+    resumed_from: str | None = None
+    predicted: dict = field(default_factory=dict)  # tokens_per_s, reserved_gib, budget_gib, memory_gib of the plan
+    trainer_pid: int | None = None
+    status: AttemptState | None = None  # None while it runs
+    log: str | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    live_stop: dict | None = None
+    returncode: int | None = None
+    duration_s: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    last_finite_step: int | None = None
+    first_nonfinite_step: int | None = None
+    divergence_warning: str | None = None
+    diverged_checkpoints_set_aside: list[str] = field(default_factory=list)
+    failure: dict | None = None  # Failure.to_dict()
+    remedy: dict | None = None  # action, why, decided_at
+
+
+@dataclass
+class RunLedger:
+    recipe: str
+    name: str = ""  # the run's name (lfa train --name; default the recipe folder's)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    status: RunState = "new"
+    supervisor_pid: int | None = None
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    resolved_recipe: str | None = None
+    stopped_by: str | None = None
+
+    @property
+    def last(self) -> AttemptRecord | None:
+        return self.attempts[-1] if self.attempts else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _known(cls, data: dict) -> dict:
+    """Keys this version knows; older and newer ledgers stay readable."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+def ledger_from_dict(data: dict) -> RunLedger:
+    if not isinstance(data, dict) or not isinstance(data.get("attempts", []), list):
+        raise ValueError("not a ledger (expected an object with a list of attempts)")
+    attempts = []
+    for item in data.get("attempts", []):
+        if not isinstance(item, dict):
+            raise ValueError(f"attempt record {item!r} is not an object")
+        item = _known(AttemptRecord, item)
+        item.setdefault("started", "")
+        item.setdefault("plan", "")
+        attempts.append(AttemptRecord(**item))
+    rest = _known(RunLedger, data)
+    rest.pop("attempts", None)
+    rest.setdefault("recipe", "")
+    rest["notes"] = list(rest.get("notes") or [])
+    return RunLedger(attempts=attempts, **rest)
+
+
+def read_ledger(run_dir: Path) -> RunLedger:
+    """The run's ledger; a detached run a moment after its start has only supervisor.pid."""
+    path, pid_file = run_dir / LEDGER_NAME, run_dir / "supervisor.pid"
+    if not path.is_file() and pid_file.is_file():
+        return RunLedger(recipe="", status="starting", supervisor_pid=int(pid_file.read_text().strip() or 0))
+    try:
+        return ledger_from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise UserError(f"cannot read {path}: {exc}") from None
+
+
+def write_ledger(run_dir: Path, ledger: RunLedger) -> None:
+    """Atomic: readers (lfa status, a second terminal) see the old or the new ledger, never half of one."""
+    path = run_dir / LEDGER_NAME
+    tmp = path.with_name(f".{LEDGER_NAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(ledger.to_dict(), indent=2, default=str))
+    tmp.replace(path)

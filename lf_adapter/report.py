@@ -1,0 +1,493 @@
+"""Stage 11: `lfa report` and the summary that ends `lfa train`: what a run left (ledger.json, the plugin's
+events.jsonl, the recipe) read into typed series, drawn with matplotlib into PNGs and one self-contained HTML page.
+Works on finished, stopped, crashed and still-running runs: it draws whatever steps exist."""
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import UserError
+from .launch import alive
+from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
+
+FIGURES = ("loss", "throughput", "memory", "gpu", "lr")
+WARMUP_STEPS = 3  # an attempt's first steps include compilation and allocator growth: not steady speed
+FAILURE_LABELS = {"cuda_oom": "OOM", "nan_loss": "NaN", "loss_diverged": "diverged"}
+
+
+@dataclass
+class AttemptSeries:
+    """What one attempt measured, per optimizer step (steps) and per logging step (log_steps)."""
+    n: int
+    steps: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    tokens_per_s: list[float | None] = field(default_factory=list)
+    gpu_reserved_gib: list[float | None] = field(default_factory=list)
+    gpu_allocated_gib: list[float | None] = field(default_factory=list)
+    gpu_util_pct: list[float | None] = field(default_factory=list)
+    gpu_power_w: list[float | None] = field(default_factory=list)
+    host_rss_gib: list[float | None] = field(default_factory=list)
+    log_steps: list[int] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)
+    grad_norm: list[float | None] = field(default_factory=list)
+    lr: list[float | None] = field(default_factory=list)
+    final: dict = field(default_factory=dict)  # train_runtime, train_loss, ... of a finished attempt
+    world_size: int | None = None
+
+    def steady_tokens_per_s(self) -> float | None:
+        rates = [r for s, r in zip(self.steps, self.tokens_per_s) if r]
+        rates = rates[WARMUP_STEPS:] or rates
+        return statistics.median(rates) if rates else None
+
+
+@dataclass
+class RunReport:
+    name: str
+    run_dir: Path
+    ledger: RunLedger
+    state: str  # the ledger's status, or "running" / "dead" (the supervisor is gone without an end recorded)
+    series: dict[int, AttemptSeries]
+    recipe_diff: str | None = None
+    output_dir: Path | None = None
+    tensorboard_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def attempts(self) -> list[AttemptRecord]:
+        return self.ledger.attempts
+
+
+def _finite(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _read_events(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def _attempt_of(event: dict, attempts: list[AttemptRecord]) -> int | None:
+    """The attempt an event belongs to: the plugin stamps it; older runs are placed by the attempts' times."""
+    if isinstance(event.get("attempt"), int):
+        return event["attempt"]
+    t = event.get("time") or 0.0
+    for a in reversed(attempts):
+        if a.started_at is None or a.started_at <= t:
+            return a.n
+    return attempts[0].n if attempts else None
+
+
+def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int, AttemptSeries]:
+    series: dict[int, AttemptSeries] = {a.n: AttemptSeries(a.n) for a in attempts}
+    for event in events:
+        n = _attempt_of(event, attempts)
+        if n is None:
+            continue
+        s = series.setdefault(n, AttemptSeries(n))
+        kind = event.get("event")
+        if kind == "train_begin":
+            s.world_size = event.get("world_size")
+        elif kind == "step" and event.get("global_step") is not None:
+            s.steps.append(int(event["global_step"]))
+            s.times.append(float(event.get("time") or 0.0))
+            tokens, seconds = event.get("step_tokens"), event.get("step_time_s")
+            s.tokens_per_s.append(tokens / seconds if tokens and seconds else None)
+            for name in ("gpu_reserved_gib", "gpu_allocated_gib", "gpu_util_pct", "gpu_power_w", "host_rss_gib"):
+                getattr(s, name).append(_finite(event.get(name)))
+        elif kind == "log":
+            if "train_runtime" in event:
+                s.final = {k: v for k, v in event.items() if k.startswith("train_") or k == "total_flos"}
+            elif "loss" in event:
+                s.log_steps.append(int(event.get("global_step") or 0))
+                s.loss.append(_finite(event.get("loss")))
+                s.grad_norm.append(_finite(event.get("grad_norm")))
+                s.lr.append(_finite(event.get("learning_rate")))
+    return dict(sorted(series.items()))
+
+
+def _recipe_diff(ledger: RunLedger) -> tuple[str | None, Path | None, Path | None, list[str]]:
+    """The semantic diff between the recipe as the first and as the last attempt ran it; output_dir; TB folder."""
+    from .recipe_diff import format_diff, semantic_diff, semantic_view
+    from .recipe_file import Recipe, load_recipe
+
+    first, last = (ledger.attempts[0], ledger.attempts[-1]) if len(ledger.attempts) > 1 else (None, None)
+    try:
+        recipe = load_recipe(ledger.recipe)
+    except UserError as exc:
+        overrides = None if first is None else format_diff(semantic_diff(first.overrides, last.overrides),
+                                                           f"attempt {first.n}", f"attempt {last.n}")
+        return overrides, None, None, [f"recipe not readable ({exc}): the diff shows lfa's overrides only"]
+    output_dir = (recipe.folder / str(recipe.data.get("output_dir", "."))).resolve()
+    report_to = recipe.data.get("report_to")
+    tensorboard = None
+    if report_to == "tensorboard" or (isinstance(report_to, list) and "tensorboard" in report_to):
+        tensorboard = (recipe.folder / str(recipe.data.get("logging_dir") or Path(str(recipe.data.get("output_dir", ".")))
+                                           / "runs")).resolve()
+    diff = None
+    if first is not None:
+        views = [semantic_view(Recipe(recipe.path, {**recipe.data, **a.overrides}, recipe.meta, recipe.text))
+                 for a in (first, last)]
+        ignore = {"resume_from_checkpoint"}
+        diff = format_diff(semantic_diff(*({k: v for k, v in view.items() if k not in ignore} for view in views)),
+                           f"attempt {first.n}", f"attempt {last.n}")
+    return diff, output_dir, tensorboard, []
+
+
+def collect(run_dir: Path) -> RunReport:
+    """Everything a report shows, read from the run folder; UserError when it holds no run."""
+    if not run_dir.is_dir():
+        raise UserError(f"no run folder {run_dir}")
+    ledger = read_ledger(run_dir)
+    state = ledger.status
+    if state not in FINAL_STATES:
+        state = "running" if alive(ledger.supervisor_pid) else "dead"
+    series = split_events(_read_events(run_dir / "events.jsonl"), ledger.attempts)
+    diff, output_dir, tensorboard, notes = _recipe_diff(ledger)
+    return RunReport(ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes)
+
+
+# ---------------------------------------------------------------- numbers for people
+
+def failure_label(attempt: AttemptRecord) -> str | None:
+    if attempt.status == "stopped":
+        return "stop"
+    if attempt.failure:
+        kind = attempt.failure.get("kind", "failed")
+        return FAILURE_LABELS.get(kind, kind)
+    return None
+
+
+def resume_step(attempt: AttemptRecord) -> int | None:
+    if not attempt.resumed_from:
+        return None
+    tail = Path(attempt.resumed_from).name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return str(dt.timedelta(seconds=round(seconds)))
+
+
+def _wall_time(report: RunReport) -> float | None:
+    starts = [a.started_at for a in report.attempts if a.started_at]
+    ends = [a.ended_at for a in report.attempts if a.ended_at]
+    durations = [a.duration_s for a in report.attempts if a.duration_s]
+    return sum(durations) if durations else (max(ends) - min(starts) if starts and ends else None)
+
+
+def headline(report: RunReport) -> dict:
+    """The numbers of the summary block and the page's header (None where the run left nothing to measure)."""
+    last = report.attempts[-1] if report.attempts else None
+    s = report.series.get(last.n) if last else None
+    predicted = last.predicted if last else {}
+    losses = [(step, v) for series in report.series.values() for step, v in zip(series.log_steps, series.loss)
+              if v is not None]
+    gpu = [v for v in (s.gpu_reserved_gib if s else []) if v is not None]
+    host = [v for v in (s.host_rss_gib if s else []) if v is not None]
+    return {
+        "state": report.state,
+        "attempts": [(a.n, a.status or ("running" if report.state == "running" else "ended"), failure_label(a))
+                     for a in report.attempts],
+        "wall_time_s": _wall_time(report),
+        "steady_tokens_per_s": s.steady_tokens_per_s() if s else None,
+        "predicted_tokens_per_s": predicted.get("tokens_per_s"),
+        "speed_basis": predicted.get("speed_basis"),
+        "peak_gpu_reserved_gib": max(gpu) if gpu else None,
+        "predicted_reserved_gib": predicted.get("reserved_gib"),
+        "gpu_limit_gib": predicted.get("budget_gib"),
+        "peak_host_rss_gib": max(host) if host else None,
+        "predicted_host_gib": predicted.get("host_gib"),
+        "final_loss": losses[-1][1] if losses else None,
+        "final_step": losses[-1][0] if losses else None,
+        "train_loss": (s.final.get("train_loss") if s else None),
+        "last_step": max((a.last_step or 0 for a in report.attempts), default=0) or None,
+    }
+
+
+def _versus(measured: float | None, predicted: float | None, unit: str, digits: int = 0) -> str:
+    if measured is None:
+        return "not measured"
+    text = f"{measured:,.{digits}f} {unit}"
+    if predicted:
+        text += f" (predicted {predicted:,.{digits}f}, {100 * (measured - predicted) / predicted:+.0f}%)"
+    return text
+
+
+def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
+    """The block that ends `lfa train` and `lfa demo`."""
+    h = headline(report)
+    outcomes = ", ".join(f"{n}: {status}" + (f" ({label})" if label and status != "stopped" else "")
+                         for n, status, label in h["attempts"]) or "none"
+    lines = ["", f"run {report.name}: {report.state}",
+             f"  attempts     {outcomes}",
+             f"  wall time    {_duration(h['wall_time_s'])}",
+             f"  tokens/s     {_versus(h['steady_tokens_per_s'], h['predicted_tokens_per_s'], 'steady')}"]
+    if h["speed_basis"] and h["predicted_tokens_per_s"]:
+        lines.append(f"               (prediction: {h['speed_basis']})")
+    if h["peak_gpu_reserved_gib"] is not None:
+        limit = f", card {h['gpu_limit_gib']:.1f} GiB" if h["gpu_limit_gib"] else ""
+        lines.append(f"  GPU memory   {_versus(h['peak_gpu_reserved_gib'], h['predicted_reserved_gib'], 'GiB reserved', 2)}"
+                     f"{limit}")
+    else:
+        lines.append(f"  host memory  {_versus(h['peak_host_rss_gib'], None, 'GiB trainer RSS (no GPU)', 2)}")
+    loss = "-" if h["final_loss"] is None else f"{h['final_loss']:.4f} at step {h['final_step']}"
+    lines.append(f"  final loss   {loss}")
+    if report.output_dir is not None:
+        lines.append(f"  model        {report.output_dir}" +
+                     ("" if report.state == "succeeded" else " (checkpoints only: the run did not finish)"))
+    if report_path is not None:
+        lines.append(f"  report       {report_path}")
+    return lines
+
+
+# ---------------------------------------------------------------- figures
+
+def _figure(title: str, rows: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 3.2 * rows), sharex=True, squeeze=False)
+    fig.suptitle(title)
+    return fig, [ax for (ax,) in axes]
+
+
+def _mark_attempts(ax, report: RunReport) -> None:
+    """Attempt boundaries (dotted), resume points (green) and failure markers (red) on a per-step axis."""
+    for a in report.attempts:
+        s = report.series.get(a.n)
+        start = resume_step(a) if resume_step(a) is not None else (s.steps[0] - 1 if s and s.steps else None)
+        if start is not None and a.n > 1:
+            ax.axvline(start, color="grey", linestyle=":", linewidth=1)
+            ax.annotate(f"attempt {a.n}", (start, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                        color="grey", ha="left", va="top", rotation=90)
+        if resume_step(a) is not None:
+            ax.axvline(resume_step(a), color="tab:green", linewidth=1.2, alpha=0.7)
+        label = failure_label(a)
+        if label:
+            at = a.last_step if a.last_step is not None else (s.steps[-1] if s and s.steps else (start or 0))
+            ax.axvline(at, color="tab:red", linewidth=1.2, alpha=0.8)
+            ax.annotate(label, (at, 0.5), xycoords=("data", "axes fraction"), fontsize=8, color="tab:red",
+                        ha="right", va="center", rotation=90)
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="dimgrey",
+            wrap=True)
+    ax.set_yticks([])
+
+
+def _plot_series(ax, report: RunReport, x: str, y: str, label: str) -> bool:
+    drawn = False
+    for n, s in report.series.items():
+        points = [(a, b) for a, b in zip(getattr(s, x), getattr(s, y)) if b is not None]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) < 40 else None, linewidth=1.2,
+                    label=f"{label}, attempt {n}" if len(report.series) > 1 else label)
+            drawn = True
+    return drawn
+
+
+def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    last = report.attempts[-1] if report.attempts else None
+    predicted = last.predicted if last else {}
+
+    fig, (ax_loss, ax_grad) = _figure("loss and gradient norm per step", rows=2)
+    for ax, attr, name in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm", "grad norm")):
+        if _plot_series(ax, report, "log_steps", attr, name):
+            ax.legend(fontsize=8, loc="best")
+        else:
+            _no_data(ax, f"no {name} logged yet (LLaMA-Factory logs every logging_steps)")
+        ax.set_ylabel(name)
+        _mark_attempts(ax, report)
+    ax_grad.set_xlabel("optimizer step")
+    paths["loss"] = fig
+
+    fig, (ax,) = _figure("training speed: non-pad tokens per second")
+    if _plot_series(ax, report, "steps", "tokens_per_s", "measured"):
+        for a in report.attempts:
+            if a.predicted.get("tokens_per_s"):
+                ax.axhline(a.predicted["tokens_per_s"], linestyle="--", linewidth=1,
+                           label=f"predicted, attempt {a.n} ({a.plan})")
+        ax.legend(fontsize=8, loc="best")
+        _mark_attempts(ax, report)
+    else:
+        _no_data(ax, "no optimizer step recorded yet")
+    ax.set_ylabel("tokens/s")
+    ax.set_xlabel("optimizer step")
+    paths["throughput"] = fig
+
+    fig, (ax_gpu, ax_host) = _figure("memory per step", rows=2)
+    if _plot_series(ax_gpu, report, "steps", "gpu_reserved_gib", "reserved (peak so far)"):
+        _plot_series(ax_gpu, report, "steps", "gpu_allocated_gib", "allocated (peak so far)")
+        if predicted.get("reserved_gib"):
+            ax_gpu.axhline(predicted["reserved_gib"], color="tab:purple", linestyle="--", linewidth=1,
+                           label=f"predicted peak {predicted['reserved_gib']:.1f} GiB")
+        if predicted.get("budget_gib"):
+            ax_gpu.axhline(predicted["budget_gib"], color="tab:red", linewidth=1.5,
+                           label=f"card {predicted['budget_gib']:.1f} GiB")
+        ax_gpu.legend(fontsize=8, loc="best")
+        _mark_attempts(ax_gpu, report)
+    else:
+        _no_data(ax_gpu, "no GPU memory recorded: this run trained on the CPU")
+    ax_gpu.set_ylabel("GPU GiB")
+    if _plot_series(ax_host, report, "steps", "host_rss_gib", "trainer RSS (rank 0)"):
+        if predicted.get("host_gib"):
+            ax_host.axhline(predicted["host_gib"], color="tab:purple", linestyle="--", linewidth=1,
+                            label=f"predicted per node {predicted['host_gib']:.1f} GiB")
+        ax_host.legend(fontsize=8, loc="best")
+    else:
+        _no_data(ax_host, "no host memory recorded")
+    ax_host.set_ylabel("host GiB")
+    ax_host.set_xlabel("optimizer step")
+    paths["memory"] = fig
+
+    fig, (ax_util, ax_power) = _figure("GPU utilization and power per step (NVML, rank 0)", rows=2)
+    for ax, attr, unit in ((ax_util, "gpu_util_pct", "utilization %"), (ax_power, "gpu_power_w", "power W")):
+        if _plot_series(ax, report, "steps", attr, unit):
+            _mark_attempts(ax, report)
+        else:
+            _no_data(ax, "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)")
+        ax.set_ylabel(unit)
+    ax_power.set_xlabel("optimizer step")
+    paths["gpu"] = fig
+
+    fig, (ax,) = _figure("learning rate")
+    if _plot_series(ax, report, "log_steps", "lr", "learning rate"):
+        _mark_attempts(ax, report)
+    else:
+        _no_data(ax, "no learning rate logged yet")
+    ax.set_ylabel("lr")
+    ax.set_xlabel("optimizer step")
+    paths["lr"] = fig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, fig in paths.items():
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written[name] = path
+    return written
+
+
+# ---------------------------------------------------------------- the page
+
+def _cell(value) -> str:
+    return html.escape("-" if value is None or value == "" else str(value))
+
+
+def attempts_rows(report: RunReport) -> list[dict]:
+    rows = []
+    for a in report.attempts:
+        failure = a.failure or {}
+        rows.append({"attempt": a.n, "plan": a.plan, "status": a.status or report.state,
+                     "failure": failure.get("kind"),
+                     "evidence": (failure.get("evidence") or [None])[0],
+                     "remedy": f"{a.remedy['action']}: {a.remedy['why']}" if a.remedy else None,
+                     "duration": _duration(a.duration_s or ((a.ended_at - a.started_at)
+                                                            if a.ended_at and a.started_at else None)),
+                     "steps": f"{a.first_step}-{a.last_step}" if a.last_step is not None else "none",
+                     "resumed from": Path(a.resumed_from).name if a.resumed_from else None})
+    return rows
+
+
+def communication_note(report: RunReport) -> str:
+    worlds = {s.world_size for s in report.series.values() if s.world_size}
+    if not worlds or worlds == {1}:
+        return "one process: no gradient exchange, so no communication time."
+    return (f"{max(worlds)} processes: the share of step time spent waiting on communication is not measured by "
+            "this version (it needs a CUDA profiler trace of NCCL kernels); the throughput plot against the "
+            "prediction, which includes the gradient exchange, is the nearest figure.")
+
+
+def render_html(report: RunReport, figures: dict[str, Path]) -> str:
+    h = headline(report)
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lfa run {esc(report.name)}</title>",
+             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:4px 6px;"
+             "vertical-align:top;text-align:left}img{max-width:100%}pre{background:#f6f6f6;padding:8px;"
+             "overflow-x:auto}.state{font-weight:bold}</style></head><body>",
+             f"<h1>lfa run <code>{esc(report.name)}</code></h1>",
+             f"<p class='state'>state: {esc(report.state)}"
+             + (" (still running: this page shows the steps so far; run lfa report again to refresh)"
+                if report.state == "running" else "")
+             + (" (the supervisor is gone and no end was recorded: killed?)" if report.state == "dead" else "")
+             + "</p>",
+             f"<p>recipe: <code>{esc(report.ledger.recipe)}</code><br>run folder: <code>{esc(str(report.run_dir))}"
+             "</code>" + (f"<br>model / checkpoints: <code>{esc(str(report.output_dir))}</code>"
+                          if report.output_dir else "")
+             + (f"<br>TensorBoard: <code>tensorboard --logdir {esc(str(report.tensorboard_dir))}</code>"
+                if report.tensorboard_dir else "") + "</p>",
+             "<h2>Summary</h2><pre>" + esc("\n".join(summary_lines(report, None)[1:])) + "</pre>",
+             "<h2>Attempts</h2>"]
+    rows = attempts_rows(report)
+    if rows:
+        parts.append("<table><tr>" + "".join(f"<th>{esc(k)}</th>" for k in rows[0]) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row.values()) + "</tr>" for row in rows]
+        parts.append("</table>")
+    else:
+        parts.append("<p>no attempt started yet</p>")
+    if report.ledger.error:
+        parts.append(f"<p>stopped before training: {esc(report.ledger.error)}</p>")
+    for note in report.ledger.notes + report.notes:
+        parts.append(f"<p>note: {esc(note)}</p>")
+    for name in FIGURES:
+        if name in figures:
+            data = base64.b64encode(figures[name].read_bytes()).decode()
+            parts.append(f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,{data}'>")
+    parts.append(f"<h2>Communication</h2><p>{esc(communication_note(report))}</p>")
+    finals = {n: s.final for n, s in report.series.items() if s.final}
+    if finals:
+        n, final = max(finals.items())
+        parts.append(f"<h2>Final metrics (attempt {n})</h2><table>" +
+                     "".join(f"<tr><td>{esc(k)}</td><td>{_cell(round(v, 4) if isinstance(v, float) else v)}</td></tr>"
+                             for k, v in final.items()) + "</table>")
+    last = report.attempts[-1] if report.attempts else None
+    if last and last.predicted.get("memory_gib"):
+        memory = last.predicted["memory_gib"]
+        parts.append(f"<h2>Memory plan (attempt {last.n}: {esc(last.plan)}), GiB per GPU</h2><table>" +
+                     "".join(f"<tr><td>{esc(k)}</td><td>{v:.2f}</td></tr>" for k, v in memory.items()) +
+                     f"<tr><td>reserved at peak (predicted)</td><td>{last.predicted['reserved_gib']:.2f}</td></tr>"
+                     "</table>")
+    parts.append("<h2>Recipe: first attempt against last</h2>")
+    parts.append(f"<pre>{esc(report.recipe_diff)}</pre>" if report.recipe_diff else
+                 "<p>one attempt: the recipe ran as written (plus lfa's launch environment).</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[RunReport, Path]:
+    """PNGs and report.html in out_dir (default: the run folder). Returns the report and the page's path."""
+    report = collect(run_dir)
+    out_dir = out_dir or run_dir
+    try:
+        figures = draw_figures(report, out_dir)
+    except ImportError:
+        raise UserError("lfa report draws with matplotlib: pip install matplotlib") from None
+    page = out_dir / "report.html"
+    page.write_text(render_html(report, figures))
+    return report, page
