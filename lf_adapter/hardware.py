@@ -179,6 +179,59 @@ def installed_versions() -> dict[str, str | None]:
     return versions
 
 
+# packages whose version LLaMA-Factory pins a range for (its own requirements say which)
+LF_RANGED = ("transformers", "trl", "accelerate", "peft", "datasets")
+
+
+def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[str]) -> list[str]:
+    """Known-bad combinations in an installed stack, each with its fix. versions: package -> version (None when
+    absent), numpy and pyarrow included; llamafactory_requires: the installed LLaMA-Factory's requirement lines."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    def parsed(name: str):
+        try:
+            return Version(versions[name]) if versions.get(name) else None
+        except InvalidVersion:
+            return None
+
+    problems = []
+    numpy, pyarrow = parsed("numpy"), parsed("pyarrow")
+    if numpy and pyarrow and numpy.major < 2 and pyarrow.major >= 21:
+        problems.append(f"numpy {numpy} with pyarrow {pyarrow}: pyarrow 21+ is built for numpy 2, so `datasets` (and "
+                        "LLaMA-Factory's data loading) fails to import; fix: pip install 'pyarrow<21'")
+    lf = versions.get("llamafactory")
+    for line in llamafactory_requires:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.marker is not None and "extra" in str(requirement.marker):
+            continue
+        installed = parsed(requirement.name) if requirement.name in LF_RANGED else None
+        if installed is not None and requirement.specifier and \
+                not requirement.specifier.contains(installed, prereleases=True):
+            problems.append(f"{requirement.name} {installed} is outside LLaMA-Factory {lf}'s range "
+                            f"({requirement.specifier}): untested pairs break in training; fix: "
+                            f"pip install '{requirement.name}{requirement.specifier}'")
+    return problems
+
+
+def installed_stack_problems() -> list[str]:
+    names = [*SOFTWARE, "numpy", "pyarrow"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    try:
+        requires = importlib.metadata.requires("llamafactory") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    return stack_problems(versions, requires)
+
+
 def hub_status(check_network: bool = True, timeout_s: float = 2.0) -> dict:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     status = {"HF_ENDPOINT": os.environ.get("HF_ENDPOINT"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE"),
@@ -227,6 +280,7 @@ def detect(check_network: bool = True, disk_path: str = ".") -> DetectReport:
         disk_free = shutil.disk_usage(disk_path).free / 2**30
     except OSError:
         disk_free = 0.0
+    notes += [f"known-bad pair: {problem}" for problem in installed_stack_problems()]
     return DetectReport(profile=profile, gpus=gpus, disk_free_gib=round(disk_free, 1), software=installed_versions(),
                         hub=hub_status(check_network), notes=notes)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from .plan import Plan
 from .plugin import boot_dir
 
+ACCELERATE_FSDP2_FILE = "accelerate_fsdp2.yaml"  # beside the recipe; FSDP2 plans start with it
+
 # NVLink multicast can wedge shared hosts; NCCL, PyTorch and NVSHMEM each need it off explicitly.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -40,7 +42,11 @@ def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr:
     if offline:
         env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
     distributed = plan.deepspeed is not None or plan.world_size > 1
-    if plan.launcher == "ray":
+    if plan.sharding == "fsdp2":  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
+        env += [LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
+                LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
+                LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port")]
+    elif plan.launcher == "ray":
         env.append(LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)"))
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
     elif distributed:
@@ -96,7 +102,22 @@ def ray_node_address() -> str | None:
     return get_node_ip_address()
 
 
-def llamafactory_command(recipe: Path, overrides: list[str]) -> list[str]:
+def llamafactory_command(recipe: Path, overrides: list[str], plan: Plan | None = None,
+                         env: dict[str, str] | None = None) -> list[str]:
+    """`llamafactory-cli train` (which relaunches itself through torchrun when FORCE_TORCHRUN says so), or for
+    FSDP2 `accelerate launch` of LLaMA-Factory's launcher.py with the recipe folder's accelerate config."""
+    if plan is not None and plan.sharding == "fsdp2":
+        import importlib.util
+
+        env = env or {}
+        spec = importlib.util.find_spec("llamafactory.launcher")
+        launcher = spec.origin if spec and spec.origin else "llamafactory/launcher.py"
+        accelerate = Path(sys.executable).with_name("accelerate")
+        return [str(accelerate) if accelerate.exists() else "accelerate", "launch",
+                "--config_file", ACCELERATE_FSDP2_FILE, "--num_processes", str(plan.world_size),
+                "--num_machines", str(plan.nodes), "--machine_rank", env.get("NODE_RANK", "0"),
+                "--main_process_ip", env.get("MASTER_ADDR", "127.0.0.1"),
+                "--main_process_port", env.get("MASTER_PORT", "29500"), launcher, str(recipe.name), *overrides]
     cli = Path(sys.executable).with_name("llamafactory-cli")
     program = [str(cli)] if cli.exists() else ["llamafactory-cli"]
     return program + ["train", str(recipe.name)] + list(overrides)

@@ -54,6 +54,14 @@ class MemoryBreakdown:
 def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float]:
     """Weights, gradients and Adam states per GPU (bytes), and bytes moved to host memory by offload."""
     p, n = model.num_params, plan.world_size
+    if plan.sharding == "fsdp2":
+        # FSDP2 (accelerate) shards LLaMA-Factory's fp32-upcast parameters, their fp32 gradients and the Adam
+        # moments; the current and the prefetched layer are gathered in the 16-bit compute dtype. By construction
+        # from FSDP2's design, not measured yet (bench/README.md)
+        gathered = 2.0 if plan.precision in ("bf16", "fp16") else 4.0
+        return {"weights (fp32, sharded)": 4.0 * p / n, "gradients (fp32, sharded)": 4.0 * p / n,
+                "optimizer (Adam m, v fp32, sharded)": 8.0 * p / n,
+                "fsdp2 gathered layer params": gathered * 2 * model.params_per_layer}, 0.0
     if plan.deepspeed is None:
         # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads,
         # two fp32 Adam moments.
@@ -87,7 +95,9 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     tokens = plan.micro_batch_size * seq_len
     h, L = model.hidden_size, model.num_layers
     # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
-    per_layer = act[("deepspeed_" if plan.deepspeed else "") + ("liger" if plan.liger else "eager")]
+    # (FSDP2's mixed precision also computes with 16-bit parameters)
+    sixteen_bit_model = plan.deepspeed is not None or plan.sharding == "fsdp2"
+    per_layer = act[("deepspeed_" if sixteen_bit_model else "") + ("liger" if plan.liger else "eager")]
     per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
@@ -110,13 +120,13 @@ def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
     activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
-    if plan.grad_accum == 1 and not plan.gradient_checkpointing and plan.deepspeed is None:
+    if plan.grad_accum == 1 and not plan.gradient_checkpointing and not plan.shards_optimizer:
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
         states["gradients (fp32)"] *= 0.5
     items = {k: v / GIB for k, v in {**states, **activations}.items() if v > 0}
     items["allocator/CUDA workspace"] = coefficients()["allocator"]["allocated_overhead_gib"]
-    allocated = max(sum(items.values()), 16.0 * model.num_params / GIB if plan.deepspeed is None else 0.0)
+    allocated = max(sum(items.values()), 16.0 * model.num_params / GIB if not plan.shards_optimizer else 0.0)
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
         # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
@@ -163,7 +173,9 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
     runtime = {"launcher (lfa, llamafactory-cli, torchrun)": c["launcher_gib_per_node"],
                "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
     loading = dict(runtime)
-    if plan.deepspeed != "zero3":
+    if plan.sharding == "fsdp2" and not plan.on_cpu:  # cpu_ram_efficient_loading: rank 0 reads, the others receive
+        loading["model load (rank 0)"] = c["load_bytes_per_param"] * model.num_params / GIB
+    elif plan.deepspeed != "zero3":
         loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
     training = dict(runtime)
     if plan.offload in ("optimizer", "all") and plan.deepspeed:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .strategy import (ATTENTIONS, DEEPSPEED_STAGES, LAUNCHERS, PRECISIONS, SHARDS_GRADIENTS, SHARDS_OPTIMIZER,
+                       SHARDS_PARAMETERS, Offload, Sharding, normalized_sharding)
+
 
 # lfa's attention names -> LLaMA-Factory's flash_attn values (AttentionFunction: auto, disabled, sdpa, fa2, fa3);
 # transformers' "eager" is LLaMA-Factory's "disabled"
@@ -21,14 +24,47 @@ class Plan:
     on_cpu: bool = False
     gradient_checkpointing: bool = True
     liger: bool = False
-    attention: str = "sdpa"  # sdpa | fa2 | eager | auto
-    deepspeed: str | None = None  # None | zero2 | zero3
-    offload: str = "none"  # none | optimizer | all
+    attention: str = "sdpa"  # strategy.ATTENTIONS
+    sharding: str = "none"  # strategy.Sharding: none (one process) | ddp | zero1 | zero2 | zero3 | fsdp2
+    offload: str = "none"  # strategy.Offload: none | optimizer | all
     packing: bool = False
     sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)
     reasons: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        for name, allowed in (("precision", PRECISIONS), ("attention", ATTENTIONS), ("launcher", LAUNCHERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        object.__setattr__(self, "sharding", normalized_sharding(self.sharding, self.world_size))
+        object.__setattr__(self, "offload", Offload.parse(self.offload, "offload"))
+
+    @property
+    def deepspeed(self) -> str | None:
+        """The DeepSpeed stage's name (zero1/zero2/zero3), None when DeepSpeed is not used."""
+        return self.sharding if self.sharding in DEEPSPEED_STAGES else None
+
+    @property
+    def deepspeed_stage(self) -> int | None:
+        return DEEPSPEED_STAGES.get(self.sharding)
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.sharding in SHARDS_PARAMETERS
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.sharding in SHARDS_GRADIENTS
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.sharding in SHARDS_OPTIMIZER
+
+    @property
+    def distributed(self) -> bool:
+        """Started through torchrun / accelerate: several processes, or DeepSpeed / FSDP2 even on one."""
+        return self.world_size > 1 or self.sharding in (*DEEPSPEED_STAGES, Sharding.FSDP2)
 
     @property
     def effective_batch_size(self) -> int:
@@ -48,12 +84,12 @@ class Plan:
         parts = label.split("/")
         mbs, rest = parts[1][len("mbs"):].split("xga")
         ga, world = rest.split("x")
-        stage = next((p for p in parts if p.startswith("zero")), "")
-        deepspeed, _, offload = stage.partition("-offload-")
-        attention = next((p for p in parts if p in ("sdpa", "fa2", "eager", "auto")), "sdpa")
+        stage = next((p for p in parts if p.startswith(("zero", "fsdp"))), "")
+        sharding, _, offload = stage.partition("-offload-")
+        attention = next((p for p in parts if p in ATTENTIONS), "sdpa")
         return cls(precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
                    gradient_checkpointing=parts[2] == "gc", liger="liger" in parts, attention=attention,
-                   deepspeed=deepspeed or None, offload=offload or "none", packing="packing" in parts,
+                   sharding=sharding or "none", offload=offload or "none", packing="packing" in parts,
                    sorted_steps="sorted" in parts, launcher="ray" if "ray" in parts else "torchrun", **fields)
 
     def label(self) -> str:
@@ -62,8 +98,8 @@ class Plan:
         if self.liger:
             parts.append("liger")
         parts.append(self.attention)
-        if self.deepspeed:
-            parts.append(self.deepspeed + ("" if self.offload == "none" else f"-offload-{self.offload}"))
+        if self.sharding not in (Sharding.NONE, Sharding.DDP):
+            parts.append(self.sharding + ("" if self.offload == "none" else f"-offload-{self.offload}"))
         if self.packing:
             parts.append("packing")
         if self.sorted_steps:

@@ -10,6 +10,7 @@ from .hardware import HardwareProfile
 from .memory import DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, coefficients, estimate, host_memory
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
+from .strategy import normalized_sharding, violations
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -103,15 +104,16 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
     cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"]
                                                           if plan.gradient_checkpointing else 1.0)
-    zero3_fetch_s = 0.0  # ZeRO-3 gathers every layer's 16-bit parameters for the forward and again for the backward
-    if plan.deepspeed == "zero3":  # its per-module hooks cost time even when there is nothing to gather
+    zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
+    if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather
+        # FSDP2 uses ZeRO-3's measured hook cost until it is measured itself (speed_basis says so)
         zero3_fetch_s += t["zero3_hook_s_per_layer"] * model.num_layers
-    if plan.deepspeed == "zero3" and plan.offload == "all":
+    if plan.shards_parameters and plan.offload == "all":
         zero3_fetch_s += 2 * 2.0 * model.num_params / host_link_bytes_per_s(hardware)
-    elif plan.deepspeed == "zero3" and plan.world_size > 1:
+    elif plan.shards_parameters and plan.world_size > 1:
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
-    partition = model.num_params / (plan.world_size if plan.deepspeed else 1)
+    partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
     if plan.offload != "none":  # CPU Adam over the partition; 16-bit gradients down and parameters back up
         link = host_link_bytes_per_s(hardware)
@@ -152,7 +154,9 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     liger = [False] if on_cpu or not options.liger_available else [True, False]
     attention = ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     packing = [True, False] if options.allow_packing else [False]
-    if on_cpu or not options.allow_deepspeed:
+    if options.fixed.get("sharding") == "fsdp2":  # only when pinned: FSDP2's speed is not measured yet
+        ds = [("fsdp2", "none")]
+    elif on_cpu or not options.allow_deepspeed:
         ds = [(None, "none")]
     elif world == 1:  # on one GPU DeepSpeed only pays when it offloads model states (plan() prefers no DeepSpeed)
         ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "all")]
@@ -161,15 +165,17 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
               ("zero3", "all")]
     for mbs, gc, lg, attn, (stage, offload), pack in itertools.product(
             _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing):
-        if lg and stage == "zero3":
-            continue  # liger's fused cross-entropy reads lm_head.weight directly, which ZeRO-3 leaves sharded
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
                     world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
-                    attention=attn, deepspeed=stage, offload=offload, packing=pack,
+                    attention=attn, sharding=stage or "none", offload=offload, packing=pack,
                     sorted_steps=options.sort_steps and mbs > 1 and not pack,
                     alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
                     launcher=options.launcher)
-        if all(getattr(plan, key) == value for key, value in options.fixed.items() if key != "alloc_conf"):
+        if violations(plan):  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
+            continue
+        fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
+                                     if "sharding" in options.fixed else {})}
+        if all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             yield plan
 
 
@@ -211,8 +217,11 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
              f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
     if plan.offload != "none":
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
+    if plan.sharding == "fsdp2":
+        basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
     if "H200" in gpu.name:
-        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%"
+        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%" + (
+            "; FSDP2 priced as ZeRO-3 (not measured)" if plan.sharding == "fsdp2" else "")
     return basis + "; not measured on this GPU"
 
 
@@ -329,6 +338,11 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       "auto": "auto"}[p.attention],
         "deepspeed": (f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
                       "through torchrun (FORCE_TORCHRUN=1)" if p.deepspeed else
+                      f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
+                      f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
+                      "speed priced as ZeRO-3 (not measured)" + ("; NOTE on a CPU accelerate runs this as plain "
+                                                                 "DDP: it shards on GPUs only" if p.on_cpu else "")
+                      if p.sharding == "fsdp2" else
                       ("none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
                        if p.world_size == 1 else "none: DDP, every GPU holds the model state")),
         "packing": ("on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "

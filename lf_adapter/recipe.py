@@ -14,6 +14,7 @@ from .hardware import HardwareProfile, installed_versions, load_profile
 from .model_spec import ModelSpec, load_model_spec
 from .memory import host_memory
 from .plan import LF_FLASH_ATTN
+from .strategy import Sharding
 from .planner import PlanOptions, PlanResult, plan
 from .recipe_file import load_recipe, parse_value
 from .render import RecipeInputs, relative_to_dir, render_recipe
@@ -69,7 +70,7 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
 
 
 PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bool, "attention": str,
-            "deepspeed": str, "offload": str, "alloc_conf": str}
+            "deepspeed": str, "sharding": str, "offload": str, "alloc_conf": str}
 
 
 # what each task hyper-parameter must be; (type, lowest allowed value)
@@ -108,6 +109,11 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         fixed[key] = value
     if fixed.get("deepspeed") not in (None, "zero2", "zero3"):
         raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
+    if "sharding" in fixed:
+        try:
+            Sharding.parse(fixed["sharding"], "--pin sharding")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     if fixed.get("attention", "sdpa") not in LF_FLASH_ATTN:
         raise UserError(f"--pin attention={fixed['attention']}: use one of {', '.join(LF_FLASH_ATTN)}")
     if fixed.get("offload", "none") not in ("none", "optimizer", "all"):

@@ -81,6 +81,9 @@ def truthy(value) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
+OFFLOAD_DEVICES = ("cpu", "nvme")  # DeepSpeed offloads to either; both leave the GPU
+
+
 def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | None, str]:
     """(None | zero2 | zero3, none | optimizer | all) from the recipe's DeepSpeed JSON, resolved against the
     directory LLaMA-Factory runs in (default: the recipe's folder); UserError if unreadable."""
@@ -93,11 +96,11 @@ def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | 
         raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
     stage = int(zero.get("stage", 0))
     offload = "none"
-    if (zero.get("offload_param") or {}).get("device") == "cpu":
+    if (zero.get("offload_param") or {}).get("device") in OFFLOAD_DEVICES:
         offload = "all"
-    elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
+    elif (zero.get("offload_optimizer") or {}).get("device") in OFFLOAD_DEVICES:
         offload = "optimizer"
-    return {2: "zero2", 3: "zero3"}.get(stage, f"zero{stage}"), offload
+    return {1: "zero1", 2: "zero2", 3: "zero3"}.get(stage), offload
 
 
 def _int_key(recipe: Recipe, key: str, default: int) -> int:
@@ -119,7 +122,7 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | 
         gradient_checkpointing=not truthy(d.get("disable_gradient_checkpointing", False)),
         liger=truthy(d.get("enable_liger_kernel", False)),
         attention=ATTENTION_FROM_LF.get(str(d.get("flash_attn", "auto")), str(d.get("flash_attn", "auto"))),
-        deepspeed=deepspeed, offload=offload,
+        sharding=deepspeed or ("fsdp2" if recipe.meta.get("sharding") == "fsdp2" else "none"), offload=offload,
         packing=truthy(d.get("packing", False)) or truthy(d.get("neat_packing", False)),
         sorted_steps=bool(recipe.meta.get("sorted_steps", False)),
         alloc_conf=recipe.meta.get("alloc_conf"),

@@ -11,6 +11,7 @@ from .memory import estimate, fit_activation_scale
 from .model_spec import ModelSpec
 from .monitor import Failure, failure_class
 from .plan import Plan
+from .strategy import violated
 from .planner import EXPANDABLE_SEGMENTS as EXPANDABLE
 from .planner import NoPlanFits, PlanOptions, plan
 
@@ -79,9 +80,9 @@ def _gpu_only(action):
 
 
 def _not_zero3(action):
-    """liger's fused cross-entropy reads lm_head.weight directly, which ZeRO-3 leaves sharded."""
+    """An action that turns liger on: not under ZeRO-3 (strategy.CONSTRAINTS: liger_with_zero3)."""
     def wrapped(a, f, c):
-        return None if a.plan.deepspeed == "zero3" else action(a, f, c)
+        return None if violated(a.plan.replace(liger=True), "liger_with_zero3") else action(a, f, c)
     return wrapped
 
 
@@ -95,8 +96,9 @@ def _deepspeed(stage, offload):
         if not c.hardware.has_gpu or current not in DEEPSPEED_ORDER or \
                 DEEPSPEED_ORDER.index((stage, offload)) <= DEEPSPEED_ORDER.index(current):
             return None
-        liger = p.liger and stage != "zero3"  # liger's fused cross-entropy cannot read a ZeRO-3-sharded lm_head
-        return p.replace(deepspeed=stage, offload=offload, liger=liger), (
+        moved = p.replace(sharding=stage or "none", offload=offload)
+        liger = p.liger and not violated(moved, "liger_with_zero3")
+        return moved.replace(liger=liger), (
             f"DeepSpeed {stage}" + ("" if offload == "none" else f" with {offload} offload to CPU") +
             ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)" +
             ("; liger off: its fused cross-entropy reads the sharded lm_head weight" if p.liger and not liger else ""))
@@ -118,7 +120,7 @@ def _fp16(a, f, c):
 def _drop_deepspeed(a, f, c):
     if a.plan.deepspeed is None or a.plan.world_size > 1:
         return None
-    return a.plan.replace(deepspeed=None, offload="none"), "one GPU: plain training needs no DeepSpeed launcher"
+    return a.plan.replace(sharding="none", offload="none"), "one GPU: plain training needs no DeepSpeed launcher"
 
 
 ACTIONS = {

@@ -11,7 +11,7 @@ import jinja2
 
 from . import UserError, __version__, templates_dir
 from .hardware import HardwareProfile
-from .launch import launch_env
+from .launch import ACCELERATE_FSDP2_FILE, launch_env
 from .plan import Plan
 from .tasks import TaskSpec, chat_template_files
 
@@ -89,6 +89,16 @@ def render_deepspeed(plan: Plan) -> tuple[str, str]:
     return deepspeed_file_name(plan), text
 
 
+def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
+    """(file name, text) of the accelerate config an FSDP2 plan launches with; None for other strategies."""
+    if plan.sharding != "fsdp2":
+        return None
+    text = _environment().get_template("launch/accelerate_fsdp2.yaml.j2").render(
+        lfa_version=__version__, on_cpu=plan.on_cpu,
+        mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "'no'"))
+    return ACCELERATE_FSDP2_FILE, text
+
+
 def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     """Pure: file name -> text for the whole recipe folder."""
     env = _environment()
@@ -97,10 +107,15 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     deepspeed_file = deepspeed_file_name(plan)
     if deepspeed_file:
         files[deepspeed_file] = render_deepspeed(plan)[1]
+    accelerate_config = render_accelerate_config(plan)
+    if accelerate_config:
+        files[accelerate_config[0]] = accelerate_config[1]
     recipe_file = f"{inputs.recipe_name}.yaml"
     meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
             "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf,
             "launcher": plan.launcher, "llamafactory_version": inputs.llamafactory_version, **inputs.meta}
+    if plan.sharding == "fsdp2":  # lives outside train.yaml (accelerate's config): the header says how it starts
+        meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
@@ -119,7 +134,9 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
                    for e in launch_env(plan, offline=inputs.offline, master_port=hw.master_port,
                                        master_addr=hw.master_addr, report_to=inputs.report_to)]
     files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
-        lfa_version=__version__, recipe_file=recipe_file, env=env_entries)
+        lfa_version=__version__, recipe_file=recipe_file, env=env_entries,
+        accelerate_config=accelerate_config[0] if accelerate_config else None, world=plan.world_size,
+        nodes=hw.nodes, master_port=hw.master_port)
     common = dict(lfa_version=__version__, recipe_file=recipe_file, nodes=hw.nodes, world=plan.world_size,
                   per_node=plan.world_size // max(1, hw.nodes), master_addr=hw.master_addr or "NODE0_ADDRESS",
                   master_port=hw.master_port, run_name=inputs.task.name, hosts=list(hw.hosts))

@@ -24,6 +24,7 @@ from .memory import estimate, host_memory
 from .model_spec import ModelSpec
 from .plan import Plan
 from .planner import predict, speed_basis
+from .strategy import violations
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
 from .recipe_file import (LlamaFactoryLoader, Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware,
                           recipe_model_spec)
@@ -88,10 +89,16 @@ def raw_scalars(text: str) -> dict[str, str]:
 
 
 def _version_matches(installed: str, spec: str) -> bool:
+    """A development or pre-release build counts as its release line: 0.9.5.dev0 is LLaMA-Factory 0.9.5 (whose
+    keys it already has), not 'below 0.9.5'."""
     from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
-    return Version(installed) in SpecifierSet(spec)
+    try:
+        release = Version(Version(installed).base_version)
+    except InvalidVersion:
+        return True  # an unparseable local build: do not call its keys wrong
+    return release in SpecifierSet(spec)
 
 
 def _installed(package: str) -> str | None:
@@ -255,6 +262,8 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
     def add(severity, rule, message, key=None):
         out.append(Finding(severity, rule, message, path, lines.get(key, 1) if key else 1))
 
+    for constraint in violations(plan):  # strategy.CONSTRAINTS: combinations that fail at the first step
+        add("error", constraint.rule, f"{constraint.why}; {constraint.fix}", constraint.key)
     gpu = hardware.gpu if hardware.has_gpu else None
     if plan.precision == "bf16" and gpu is not None and not gpu.bf16:
         add("error", "bf16_unsupported", f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
@@ -281,16 +290,12 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
                 "deepspeed")
         else:
             zero = ds.get("zero_optimization", {})
-            offloads = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
+            offloads = plan.offload != "none"
             kwargs = d.get("lr_scheduler_kwargs")
             if int(zero.get("stage", 0)) == 3 and isinstance(kwargs, dict) and "min_lr" in kwargs:
                 add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
                     "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
                     "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
-            if int(zero.get("stage", 0)) == 3 and plan.liger:
-                add("error", "liger_with_zero3", "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads "
-                    "lm_head.weight directly, which ZeRO-3 leaves sharded (size mismatch on the first step; "
-                    "huggingface/trl#3368, #5891); turn liger off or use ZeRO-2", "enable_liger_kernel")
             if offloads and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
                 add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
                     "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
@@ -319,10 +324,13 @@ def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: 
         if entry["key"] not in d:
             continue
         installed = _installed(entry["package"])
-        rejected = installed is not None and not _version_matches(installed, entry["accepted"])
-        add("error" if rejected else "warning", "version_dependent_key",
+        # the installed version decides: it rejects the key (error), accepts it (info: a note for other
+        # installs), or is absent here (warning: the key works only on some versions)
+        severity = "warning" if installed is None else \
+            "info" if _version_matches(installed, entry["accepted"]) else "error"
+        add(severity, "version_dependent_key",
             f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
-            + (f" (installed: {installed})" if installed else "") + f"; instead: {entry['instead']}", entry["key"])
+            + (f" (installed: {installed})" if installed else "") + f"; elsewhere: {entry['instead']}", entry["key"])
     template = d.get("template")
     if template in chat_template_files() and (launch is None or "plugin" not in launch):
         add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with `lfa train` "
@@ -506,7 +514,7 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
         plan = plan_from_recipe(Recipe(recipe.path, readable, recipe.meta, recipe.text), hw)
         try:
             stage, offload = deepspeed_setup(recipe, where)
-            plan, unreadable_ds = plan.replace(deepspeed=stage, offload=offload), False
+            plan, unreadable_ds = plan.replace(sharding=stage or "none", offload=offload), False
         except UserError:
             pass
     spec = _model_spec(recipe, model, where)

@@ -29,7 +29,7 @@ from .plan import Plan
 from .planner import predict, speed_basis
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
-from .render import deepspeed_file_name, render_deepspeed, yaml_scalar as _scalar
+from .render import deepspeed_file_name, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
 LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
@@ -89,6 +89,13 @@ def write_deepspeed_config(folder: Path, plan: Plan) -> str:
         path = folder / (Path(name).stem + ".lfa.json")
     path.write_text(text)
     return path.name
+
+
+def write_accelerate_config(folder: Path, plan: Plan) -> None:
+    """The accelerate config an FSDP2 attempt starts with (a recipe's own file of that name is kept)."""
+    name, text = render_accelerate_config(plan)
+    if not (folder / name).exists():
+        (folder / name).write_text(text)
 
 
 def is_complete_checkpoint(path: Path) -> bool:
@@ -423,7 +430,9 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
         return {}
     seq_len = int(recipe.data.get("cutoff_len") or 2048)
     c = predict(model, plan, hardware, seq_len, float(recipe.meta.get("mean_seq_fraction", 0.75)))
-    return {"tokens_per_s": round(c.tokens_per_s), "speed_basis": speed_basis(hardware, plan),
+    # on a CPU the speed "model" is a rough FLOP rate: no prediction to hold a measurement against
+    return {"tokens_per_s": round(c.tokens_per_s) if hardware.has_gpu else None,
+            "speed_basis": speed_basis(hardware, plan),
             "reserved_gib": round(c.memory.reserved_gib, 3),
             "budget_gib": c.memory.budget_gib, "limit_gib": c.memory.limit_gib,
             "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2)}
@@ -554,7 +563,10 @@ def _attempt_loop(request: TrainRequest, started: dict) -> int:
             env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
             env["LFA_SUPERVISOR_PID"] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
             env.update(rendezvous_env)
-            command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()])
+            if attempt.plan.sharding == "fsdp2":
+                write_accelerate_config(recipe.folder, attempt.plan)
+            command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
+                                           attempt.plan, env)
             env["LFA_ATTEMPT"] = str(n)
             record = AttemptRecord(
                 n=n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=attempt.plan.label(),

@@ -44,6 +44,35 @@ def test_torchrun_with_two_gloo_processes(demo_assets, tmp_path):
     assert '"world_size": 2' in begin
 
 
+def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp_path):
+    """FSDP2 the way LLaMA-Factory's examples start FSDP: `accelerate launch --config_file` + its launcher.py.
+    The route (config, launcher, LLaMA-Factory's FSDP2 detection, checkpoint layout) is real here; the sharding is
+    not: accelerate applies FSDP on accelerators only and runs the same job as MULTI_CPU DDP on a CPU
+    (accelerate/state.py), so what FSDP2 saves in memory is measured on GPUs, not by this test."""
+    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+                       "--pin", "sharding=fsdp2", "--logging-steps", "1")
+    folder = recipe.parent
+    config = yaml.safe_load((folder / "accelerate_fsdp2.yaml").read_text())
+    assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+    launch = (folder / "launch.sh").read_text()
+    assert "accelerate launch --config_file accelerate_fsdp2.yaml --num_processes 2" in launch
+    assert "FORCE_TORCHRUN" not in launch and "deepspeed" not in recipe.read_text().split("### dataset")[0]
+    review = run_lfa("review", recipe, "--format", "json")
+    assert review.returncode == 0, review.stdout
+    port = {"MASTER_PORT": str(_free_port())}
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", env=port)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "run" / "attempt-1.log").read_text()
+    assert log.startswith("$ ") and " launch --config_file accelerate_fsdp2.yaml" in log.splitlines()[0]
+    assert "You are using fsdp2" in log  # LLaMA-Factory's own detection of the FSDP2 plugin
+    for rank in (0, 1):
+        assert f"Process rank: {rank}, world size: 2" in log
+    assert "plain DDP" in recipe.read_text()  # the recipe says what a CPU makes of it
+    from lf_adapter.runs import is_complete_checkpoint
+
+    assert is_complete_checkpoint(folder / "saves" / "pseudo2norm" / "checkpoint-3")
+
+
 def test_two_nodes_on_localhost_each_with_its_own_supervisor(demo_assets, tmp_path):
     profile = _profile(tmp_path, name="two-nodes", nodes=2, processes_per_node=1, master_addr="127.0.0.1",
                        master_port=_free_port())
@@ -97,8 +126,15 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     review = run_lfa("review", tmp_path / "ray094" / "train.yaml", "--format", "json")
     import json
 
-    rules = {(f["rule"], f["line"] > 1) for f in json.loads(review.stdout)[0]["findings"]}
-    assert ("version_dependent_key", True) in rules and review.returncode == 1
+    from importlib.metadata import version
+    from packaging.version import Version
+
+    findings = json.loads(review.stdout)[0]["findings"]
+    found = {(f["rule"], f["severity"]) for f in findings if f["line"] > 1}
+    installed_095 = Version(Version(version("llamafactory")).base_version) >= Version("0.9.5")
+    # 0.9.5 rejects the 0.9.4 Ray keys (error); 0.9.4 accepts them (a note for other installs)
+    assert ("version_dependent_key", "error" if installed_095 else "info") in found, findings
+    assert (review.returncode == 1) == installed_095
     single = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--launcher", "ray", "-o", tmp_path / "x")
     assert single.returncode == 2 and "one process needs no launcher" in single.stderr
 

@@ -86,7 +86,7 @@ def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_u
     from lf_adapter.runs import write_deepspeed_config
 
     failure = classify((FIXTURES / "deepspeed_offload_client_optimizer.log").read_text().splitlines(), 1)
-    attempt = Attempt(Plan("bf16", 4, 16, deepspeed="zero2", offload="optimizer"), env={"FORCE_TORCHRUN": "1"})
+    attempt = Attempt(Plan("bf16", 4, 16, sharding="zero2", offload="optimizer"), env={"FORCE_TORCHRUN": "1"})
     remedy = next_remedy(attempt, failure, Context(load_profile("a100-80g")), set())
     assert remedy.action == "lfa_deepspeed_config" and remedy.attempt.own_deepspeed_config
     assert remedy.attempt.env == {"FORCE_TORCHRUN": "1"} and remedy.attempt.plan == attempt.plan
@@ -105,7 +105,7 @@ def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
 
     failure = classify((FIXTURES / "zero3_min_lr_scheduler_h200.log").read_text().splitlines(), 1)
     context = Context(load_profile("h200"), learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
-    remedy = next_remedy(Attempt(Plan("bf16", 16, 4, deepspeed="zero3")), failure, context, set())
+    remedy = next_remedy(Attempt(Plan("bf16", 16, 4, sharding="zero3")), failure, context, set())
     assert remedy.action == "min_lr_rate" and remedy.attempt.keys["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
     recipe_file = tmp_path / "train.yaml"
     recipe_file.write_text("learning_rate: 3.0e-6\nlr_scheduler_kwargs:\n  min_lr: 3.0e-7\nwarmup_ratio: 0.02\n")

@@ -87,14 +87,24 @@ def _typo(recipe):
     return "warmup_ration", "error", "unknown_key"
 
 
+def _severity_here(package, accepted):
+    """What review must say of a version-dependent key on this install: error where the installed version rejects
+    it, info where it accepts it (a dev build counts as its release)."""
+    from importlib.metadata import version
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return "info" if Version(Version(version(package)).base_version) in SpecifierSet(accepted) else "error"
+
+
 def _ray_key_from_094(recipe):  # Ray keys changed between LLaMA-Factory 0.9.4 and 0.9.5
     _edit(recipe, r"^report_to: none", "report_to: none\nray_run_name: pseudo2norm")
-    return "ray_run_name", "error", "version_dependent_key"
+    return "ray_run_name", _severity_here("llamafactory", "<=0.9.4"), "version_dependent_key"
 
 
 def _transformers4_key(recipe):  # group_by_length became train_sampling_strategy in transformers 5
     _edit(recipe, r"^report_to: none", "report_to: none\ngroup_by_length: true")
-    return "group_by_length", "error", "version_dependent_key"
+    return "group_by_length", _severity_here("transformers", "<5"), "version_dependent_key"
 
 
 def _seed_fix_batch(recipe):  # the seed's manual fix: bs1 x ga16, an effective batch of 16 instead of 64
@@ -109,13 +119,13 @@ def _original_on_32g(recipe):  # the paper's bs8 x ga8 without checkpointing on 
 
 
 def _liger_with_zero3(recipe):  # trl#3368 / #5891: liger's fused loss + ZeRO-3 -> size mismatch
-    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, deepspeed="zero3"))[1])
+    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, sharding="zero3"))[1])
     _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_zero3.json")
     return "enable_liger_kernel", "error", "liger_with_zero3"
 
 
 def _zero3_with_min_lr(recipe):  # seen on the H200: optimizer.defaults is missing under ZeRO-3
-    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, deepspeed="zero3"))[1])
+    (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, sharding="zero3"))[1])
     _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_zero3.json")
     _edit(recipe, r"^  min_lr_rate: .*", "  min_lr: 3.0e-7")
     return "lr_scheduler_kwargs", "error", "zero3_min_lr"

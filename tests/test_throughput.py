@@ -85,9 +85,9 @@ def test_compute_bound_card_skips_recompute_and_fast_card_batches_up():
 
 
 def test_offload_deepspeed_config_names_an_optimizer():
-    offload = json.loads(render_deepspeed(Plan("bf16", 4, 16, deepspeed="zero2", offload="optimizer"))[1])
+    offload = json.loads(render_deepspeed(Plan("bf16", 4, 16, sharding="zero2", offload="optimizer"))[1])
     assert offload["optimizer"]["type"] == "AdamW" and offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert "optimizer" not in json.loads(render_deepspeed(Plan("bf16", 4, 16, deepspeed="zero3"))[1])
+    assert "optimizer" not in json.loads(render_deepspeed(Plan("bf16", 4, 16, sharding="zero3"))[1])
 
 
 def test_yaml_values_survive_the_round_trip_through_llamafactory_yaml():
@@ -120,7 +120,7 @@ def test_liger_never_meets_zero3_in_plans_or_retries():
         for candidate in [result.chosen] + result.runners_up + result.rejected:
             assert not (candidate.plan.liger and candidate.plan.deepspeed == "zero3"), candidate.plan.label()
     oom = classify(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."], 1)
-    attempt, tried = Attempt(Plan("bf16", 1, 16, world_size=4, liger=True, deepspeed="zero2", offload="optimizer")), set()
+    attempt, tried = Attempt(Plan("bf16", 1, 16, world_size=4, liger=True, sharding="zero2", offload="optimizer")), set()
     while (remedy := next_remedy(attempt, oom, Context(load_profile("a40x4")), tried)) is not None:
         attempt = remedy.attempt
         assert not (attempt.plan.liger and attempt.plan.deepspeed == "zero3"), remedy.why
@@ -129,8 +129,8 @@ def test_liger_never_meets_zero3_in_plans_or_retries():
 
 @pytest.mark.parametrize("plan_", [
     Plan("bf16", 16, 4, gradient_checkpointing=False, liger=True, sorted_steps=True),
-    Plan("fp16", 8, 8, world_size=4, deepspeed="zero2", offload="optimizer", packing=True),
-    Plan("bf16", 64, 1, deepspeed="zero3", offload="all", attention="eager", launcher="ray"),
+    Plan("fp16", 8, 8, world_size=4, sharding="zero2", offload="optimizer", packing=True),
+    Plan("bf16", 64, 1, sharding="zero3", offload="all", attention="eager", launcher="ray"),
 ])
 def test_a_plan_label_reads_back_into_the_same_plan(plan_):
     # the bench tables store plans as labels; calibration_table.py and model_check.py rebuild the plans from them

@@ -1,0 +1,99 @@
+"""The strategy axis: how model states are spread over GPUs (sharding) and moved to the host (offload), as typed
+vocabularies, what each strategy shards, and one table of the combinations that do not work."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+class _Vocabulary(str, enum.Enum):
+    """A closed set of names; members compare and hash equal to their string (Python 3.10 has no StrEnum)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str, what: str) -> str:
+        """The value as a plain string, or a ValueError naming the allowed ones."""
+        try:
+            return cls(str(value)).value
+        except ValueError:
+            raise ValueError(f"{what} {value!r}: use one of {', '.join(m.value for m in cls)}") from None
+
+
+class Sharding(_Vocabulary):
+    NONE = "none"  # one process
+    DDP = "ddp"  # several processes, each with all model states (LLaMA-Factory's torchrun relaunch)
+    ZERO1 = "zero1"  # DeepSpeed: optimizer states sharded
+    ZERO2 = "zero2"  # + gradients sharded
+    ZERO3 = "zero3"  # + parameters sharded (gathered per module)
+    FSDP2 = "fsdp2"  # PyTorch FSDP2 (fully_shard) through accelerate: parameters, gradients, optimizer sharded
+
+
+class Offload(_Vocabulary):
+    NONE = "none"
+    OPTIMIZER = "optimizer"  # DeepSpeed ZeRO-Offload: fp32 master + Adam on the host, CPU Adam
+    ALL = "all"  # + parameters (ZeRO-3 only)
+
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Attention = Literal["sdpa", "fa2", "fa3", "eager", "auto"]
+Launcher = Literal["torchrun", "ray"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+ATTENTIONS: tuple[str, ...] = ("sdpa", "fa2", "fa3", "eager", "auto")
+LAUNCHERS: tuple[str, ...] = ("torchrun", "ray")
+
+DEEPSPEED_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
+# what each strategy divides by the number of processes
+SHARDS_OPTIMIZER = frozenset({Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
+SHARDS_GRADIENTS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
+SHARDS_PARAMETERS = frozenset({Sharding.ZERO3, Sharding.FSDP2})
+
+
+def normalized_sharding(value: str | None, world_size: int) -> str:
+    """'none' and 'ddp' name the same thing (no sharding) for one and for several processes."""
+    sharding = Sharding.parse(value or "none", "sharding")
+    if sharding in (Sharding.NONE, Sharding.DDP):
+        return (Sharding.DDP if world_size > 1 else Sharding.NONE).value
+    return sharding
+
+
+@dataclass(frozen=True)
+class Constraint:
+    rule: str  # also the review finding's rule id
+    violated: Callable[["Plan"], bool]
+    why: str
+    fix: str
+    key: str  # the recipe key a review finding points at
+
+
+CONSTRAINTS: tuple[Constraint, ...] = (
+    Constraint("liger_with_zero3", lambda p: p.liger and p.sharding == Sharding.ZERO3,
+               "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads lm_head.weight directly, which "
+               "ZeRO-3 leaves sharded (size mismatch on the first step; huggingface/trl#3368, #5891)",
+               "turn liger off or use ZeRO-2", "enable_liger_kernel"),
+    Constraint("offload_needs_deepspeed", lambda p: p.offload != Offload.NONE and p.sharding not in DEEPSPEED_STAGES,
+               "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
+               "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload", "deepspeed"),
+    Constraint("parameter_offload_needs_zero3", lambda p: p.offload == Offload.ALL and p.sharding != Sharding.ZERO3,
+               "parameters can only be offloaded when ZeRO-3 partitions them", "use ZeRO-3 or offload the optimizer only",
+               "deepspeed"),
+    Constraint("fsdp2_on_one_process", lambda p: p.sharding == Sharding.FSDP2 and p.world_size == 1,
+               "FSDP2 on one process has nothing to shard it over", "use it with several GPUs, or no sharding",
+               "deepspeed"),
+    Constraint("fsdp2_with_ray", lambda p: p.sharding == Sharding.FSDP2 and p.launcher == "ray",
+               "LLaMA-Factory starts FSDP2 through `accelerate launch`, not through its Ray workers",
+               "use the torchrun launcher", "deepspeed"),
+)
+
+
+def violations(plan: "Plan") -> list[Constraint]:
+    return [c for c in CONSTRAINTS if c.violated(plan)]
+
+
+def violated(plan: "Plan", rule: str) -> bool:
+    return any(c.rule == rule for c in violations(plan))
