@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from . import UserError, templates_dir
+from .schema import raise_problems, unknown_keys
 
 # Dense 16-bit tensor-core peak (TFLOP/s) by GPU name fragment; used when detecting a real card.
 _PEAK_TFLOPS = [("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("A100", 312.0, 2.0), ("A40", 149.7, 0.696),
@@ -73,9 +74,14 @@ class HardwareProfile:
 
 
 def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise UserError(f"hardware profile {source} is not a mapping of keys")
+    gpu = data.get("gpu")
+    raise_problems(unknown_keys(data, [f.name for f in dataclasses.fields(HardwareProfile)]) +
+                   (unknown_keys(gpu, [f.name for f in dataclasses.fields(GPUSpec)], "gpu.")
+                    if isinstance(gpu, dict) else []), f"hardware profile {source}")
     try:
-        gpu = data.get("gpu")
-        gpu_spec = GPUSpec(**{k: gpu[k] for k in gpu if k in {f.name for f in dataclasses.fields(GPUSpec)}}) if gpu else None
+        gpu_spec = GPUSpec(**gpu) if gpu else None
         if gpu_spec is not None:
             gpu_spec.cc  # validates "X.Y"
         return HardwareProfile(

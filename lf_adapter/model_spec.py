@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from . import UserError, templates_dir
+from .schema import raise_problems, unknown_keys
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,15 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
 
 
+CATALOG_KEYS = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias")
+
+
 def catalog() -> dict[str, dict]:
-    return yaml.safe_load((templates_dir() / "models" / "catalog.yaml").read_text())
+    data = yaml.safe_load((templates_dir() / "models" / "catalog.yaml").read_text())
+    raise_problems([p for name, shape in data.items() for p in unknown_keys(shape, CATALOG_KEYS, f"{name}: ")],
+                   "models/catalog.yaml")
+    return data
 
 
 def load_model_spec(model: str) -> ModelSpec:

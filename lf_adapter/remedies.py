@@ -3,13 +3,14 @@ training semantics (effective batch exact; the learning rate only moves with --a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 
 from .hardware import HardwareProfile
 from .memory import estimate, fit_activation_scale
 from .model_spec import ModelSpec
-from .monitor import Failure, failure_class
+from .monitor import Failure, failure_class, failure_classes
 from .plan import Plan
 from .strategy import violated
 from .planner import EXPANDABLE_SEGMENTS as EXPANDABLE
@@ -263,6 +264,24 @@ def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remed
 
 def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:
     return _keep_schedule_under_zero3(_next_remedy(attempt, failure, context, tried), context)
+
+
+# actions _env_action knows (they change keys or the environment, not the plan)
+ENV_ACTIONS = frozenset({"force_torchrun", "hub_mirror", "hub_offline", "lfa_deepspeed_config", "min_lr_rate",
+                         "resume_as_is", "fewer_checkpoints", "fewer_workers", "lower_lr"})
+
+
+def ladder_problems() -> list[str]:
+    """Ladder steps in failures/classes.yaml that name no action (a typo would otherwise be skipped silently)."""
+    known = sorted(set(ACTIONS) | ENV_ACTIONS)
+    problems = []
+    for failure_kind in failure_classes():
+        for step in failure_kind.ladder:
+            if step.rstrip("*") not in known:
+                near = difflib.get_close_matches(step.rstrip("*"), known, n=1)
+                problems.append(f"class {failure_kind.name}: ladder step {step!r} is no action"
+                                + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return problems
 
 
 def _next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set[str]) -> Remedy | None:

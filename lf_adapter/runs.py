@@ -28,7 +28,7 @@ from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, fail
 from .plan import Plan
 from .planner import predict, speed_basis
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
-from .remedies import Attempt, Context, hub_mirror_from_env, next_remedy
+from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 from .render import deepspeed_file_name, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
@@ -466,6 +466,8 @@ def finish_run(run_dir: Path, reporter: Reporter) -> None:
 
 
 def _attempt_loop(request: TrainRequest, started: dict) -> int:
+    if ladder_problems():  # a misspelled remedy would only be skipped in the middle of a failing run
+        raise UserError("failures/classes.yaml: " + "; ".join(ladder_problems()))
     recipe = load_recipe(request.recipe)
     hardware = recipe_hardware(recipe, request.hardware)
     if "output_dir" not in recipe.data:

@@ -1,12 +1,15 @@
 """Stage 2: task definitions (templates/tasks/*.yaml) as typed values."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from . import UserError, templates_dir
+from .schema import raise_problems, unknown_keys
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ def load_task(name: str) -> TaskSpec:
     if path is None:
         raise UserError(f"unknown task '{name}'; known tasks: {', '.join(task_files())} (see `lfa tasks`)")
     data = yaml.safe_load(path.read_text())
+    raise_problems(unknown_keys(data, [f.name for f in dataclasses.fields(TaskSpec)]) +
+                   unknown_keys(data.get("dataset") or {}, [f.name for f in dataclasses.fields(DatasetSpec)],
+                                "dataset."), f"task {path}")
     return TaskSpec(
         name=data["name"], description=data["description"], stage=data["stage"],
         finetuning_type=data["finetuning_type"], default_model=data.get("default_model"),
