@@ -11,7 +11,8 @@ from .launch import launch_env
 from .monitor import Failure, LineReader, classify, failure_classes
 from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Remedy, next_remedy
-from .runs import _resolved_text, key_changes, plan_keys, recovery_context, trained_model_spec, write_deepspeed_config
+from .lf_keys import plan_keys
+from .runs import _resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
 
 
 @dataclass

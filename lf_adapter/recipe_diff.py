@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import UserError
-from .recipe_file import Recipe, deepspeed_setup, truthy
+from .lf_keys import precision_from_keys
+from .recipe_file import Recipe, deepspeed_setup
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",
@@ -38,7 +39,8 @@ def semantic_view(recipe: Recipe) -> dict:
     data = dict(recipe.data)
     world = int((recipe.meta.get("hardware") or {}).get("gpus_per_node", 1) or 1) * \
         int((recipe.meta.get("hardware") or {}).get("nodes", 1) or 1)
-    data["precision"] = "bf16" if truthy(data.pop("bf16", False)) else "fp16" if truthy(data.pop("fp16", False)) else "fp32"
+    data["precision"] = precision_from_keys(data)
+    data.pop("bf16", None), data.pop("fp16", None)
     data["world_size"] = world
     data["effective_batch_size"] = int(data.get("per_device_train_batch_size", 1)) * \
         int(data.get("gradient_accumulation_steps", 1)) * world

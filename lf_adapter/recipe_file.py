@@ -11,7 +11,8 @@ import yaml
 from . import UserError
 from .hardware import HardwareProfile, load_profile, profile_from_dict
 from .model_spec import ModelSpec, load_model_spec
-from .plan import ATTENTION_FROM_LF, Plan
+from .lf_keys import plan_from_keys
+from .plan import Plan
 
 
 @dataclass
@@ -76,11 +77,6 @@ def recipe_hardware(recipe: Recipe, override: str | None = None) -> HardwareProf
     return load_profile("detect")
 
 
-def truthy(value) -> bool:
-    """A recipe flag as LLaMA-Factory reads it: true, 'true', '1' or 'yes'."""
-    return value is True or str(value).lower() in ("true", "1", "yes")
-
-
 OFFLOAD_DEVICES = ("cpu", "nvme")  # DeepSpeed offloads to either; both leave the GPU
 
 
@@ -111,23 +107,12 @@ def _int_key(recipe: Recipe, key: str, default: int) -> int:
 
 
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | None = None) -> Plan:
-    d = recipe.data
-    precision = "bf16" if truthy(d.get("bf16")) else "fp16" if truthy(d.get("fp16")) else "fp32"
-    deepspeed, offload = deepspeed_setup(recipe, workdir)
-    return Plan(
-        precision=precision,
-        micro_batch_size=_int_key(recipe, "per_device_train_batch_size", 1),
-        grad_accum=_int_key(recipe, "gradient_accumulation_steps", 1),
-        world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
-        gradient_checkpointing=not truthy(d.get("disable_gradient_checkpointing", False)),
-        liger=truthy(d.get("enable_liger_kernel", False)),
-        attention=ATTENTION_FROM_LF.get(str(d.get("flash_attn", "auto")), str(d.get("flash_attn", "auto"))),
-        sharding=deepspeed or ("fsdp2" if recipe.meta.get("sharding") == "fsdp2" else "none"), offload=offload,
-        packing=truthy(d.get("packing", False)) or truthy(d.get("neat_packing", False)),
-        sorted_steps=bool(recipe.meta.get("sorted_steps", False)),
-        alloc_conf=recipe.meta.get("alloc_conf"),
-        launcher="ray" if "ray_num_workers" in d or recipe.meta.get("launcher") == "ray" else "torchrun",
-    )
+    try:
+        return plan_from_keys(recipe.data, recipe.meta, hardware, deepspeed_setup(recipe, workdir),
+                              _int_key(recipe, "per_device_train_batch_size", 1),
+                              _int_key(recipe, "gradient_accumulation_steps", 1))
+    except ValueError as exc:  # a value outside lfa's vocabularies, e.g. flash_attn: flash
+        raise UserError(f"{recipe.path}: {exc}") from None
 
 
 def recipe_model_spec(recipe: Recipe, workdir: Path | None = None, model: str | None = None) -> ModelSpec:

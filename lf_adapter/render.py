@@ -12,6 +12,7 @@ import jinja2
 from . import UserError, __version__, templates_dir
 from .hardware import HardwareProfile
 from .launch import ACCELERATE_FSDP2_FILE, launch_env
+from .lf_keys import deepspeed_file_name, plan_keys
 from .plan import Plan
 from .tasks import TaskSpec, chat_template_files
 
@@ -32,6 +33,7 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters["yaml_float"] = yaml_float
+    env.filters["yaml_scalar"] = yaml_scalar
     return env
 
 
@@ -75,15 +77,9 @@ def yaml_scalar(value) -> str:
     return text
 
 
-def deepspeed_file_name(plan: Plan) -> str | None:
-    if not plan.deepspeed:
-        return None
-    return f"ds_{plan.deepspeed}" + ("" if plan.offload == "none" else f"_offload_{plan.offload}") + ".json"
-
-
 def render_deepspeed(plan: Plan) -> tuple[str, str]:
     text = _environment().get_template("deepspeed/zero.json.j2").render(
-        stage=2 if plan.deepspeed == "zero2" else 3, offload_optimizer=plan.offload in ("optimizer", "all"),
+        stage=plan.deepspeed_stage, offload_optimizer=plan.offload in ("optimizer", "all"),
         offload_param=plan.offload == "all" and plan.deepspeed == "zero3")
     json.loads(text)  # the template must stay valid JSON
     return deepspeed_file_name(plan), text
@@ -119,8 +115,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
-        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path,
-        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=deepspeed_file,
+        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path, keys=plan_keys(plan),
+        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=plan_keys(plan)["deepspeed"],
         dataset_name=inputs.task.dataset.name, dataset_dir=".", chat_template=inputs.chat_template,
         plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
         preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,

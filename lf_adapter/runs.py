@@ -29,7 +29,8 @@ from .plan import Plan
 from .planner import predict, speed_basis
 from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
-from .render import deepspeed_file_name, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
+from .lf_keys import plan_keys
+from .render import render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
 LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
@@ -51,21 +52,6 @@ class TrainRequest:
     master_port: int | None = None
     hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
     stop_on_divergence: bool = False  # stop (and retry) when the loss sits at ln(vocab) or keeps rising
-
-
-def plan_keys(plan: Plan) -> dict:
-    """The LLaMA-Factory keys a plan sets (DeepSpeed as a file name, rendered separately)."""
-    return {
-        "per_device_train_batch_size": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "bf16": plan.precision == "bf16",
-        "fp16": plan.precision == "fp16",
-        "disable_gradient_checkpointing": not plan.gradient_checkpointing,
-        "enable_liger_kernel": plan.liger,
-        "flash_attn": plan.flash_attn,
-        "packing": plan.packing,
-        "deepspeed": deepspeed_file_name(plan),
-    }
 
 
 def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
