@@ -24,5 +24,8 @@ fi
 if [ "$cmd" = seed ]; then
   timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^[a-z0-9_]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt
   (cd $OUT && tar czf seed_logs.tgz seed/*.log && rm -f seed/*.log)
+  # what `lfa train` wrote at its end: report.html, the PNGs, ledger and events of every run
+  for d in $W/runs/*/; do n=$(basename $d); mkdir -p $OUT/reports/$n
+    cp $d/report.html $d/*.png $d/ledger.json $d/events.jsonl $OUT/reports/$n/ 2>/dev/null; done
 fi
 df -h /tmp | tail -1

@@ -363,7 +363,7 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     ax_host.set_xlabel("optimizer step")
     paths["memory"] = fig
 
-    fig, (ax_util, ax_power) = _figure("GPU utilization and power per step (NVML, rank 0)", rows=2)
+    fig, (ax_util, ax_power) = _figure("GPU utilization and power (NVML, rank 0, sampled at each step's end)", rows=2)
     for ax, attr, unit in ((ax_util, "gpu_util_pct", "utilization %"), (ax_power, "gpu_power_w", "power W")):
         if _plot_series(ax, report, "steps", attr, unit):
             _mark_attempts(ax, report)

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,11 +25,11 @@ from .memory import estimate, host_memory
 from .model_spec import ModelSpec
 from .plan import Plan
 from .planner import predict, speed_basis
-from .strategy import violations
+from .strategy import CONSTRAINTS, violations
 from .recipe_diff import DiffEntry, format_diff, semantic_diff, semantic_view
 from .recipe_file import (LlamaFactoryLoader, Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware,
                           recipe_model_spec)
-from .tasks import chat_template_files, task_files, load_task
+from .tasks import TaskSpec, chat_template_files, task_files, load_task
 
 SEVERITIES = ("error", "warning", "info")
 PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
@@ -52,10 +53,40 @@ class Finding:
 
 
 @dataclass
+class ReviewSummary:
+    """What a recipe will do on its hardware; None where lfa cannot know (no model shape, no GPU, no dataset)."""
+    hardware: str
+    plan: str
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    gpus: int
+    effective_batch: int
+    deepspeed: str
+    gradient_checkpointing: bool
+    tokens_per_step: int
+    note: str | None = None
+    model: str | None = None
+    memory_gib: dict[str, float] | None = None
+    reserved_gib: float | None = None
+    budget_gib: float | None = None
+    fits: bool | None = None
+    host_gib: float | None = None
+    host_ram_gib: float | None = None
+    predicted_tokens_per_s: int | None = None
+    speed_basis: str | None = None
+    dataset_rows: int | None = None
+    predicted_wall_time_s: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
 class RecipeReview:
     path: str
     findings: list[Finding] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
+    summary: ReviewSummary | None = None
     diff: list[DiffEntry] | None = None
     base: str | None = None  # "new recipe" or the base ref
 
@@ -64,7 +95,8 @@ class RecipeReview:
         return [f for f in self.findings if f.severity == "error"]
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "findings": [f.to_dict() for f in self.findings], "summary": self.summary,
+        return {"path": self.path, "findings": [f.to_dict() for f in self.findings],
+                "summary": self.summary.to_dict() if self.summary else {},
                 "base": self.base, "diff": None if self.diff is None else [e.to_dict() for e in self.diff]}
 
 
@@ -253,155 +285,281 @@ def _resolve(workdir: Path, recipe: Recipe, value: str) -> tuple[Path, str]:
     return resolved, ""
 
 
-def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
-                  spec: ModelSpec | None, workdir: Path | None = None) -> list[Finding]:
-    workdir = workdir or recipe.folder
-    d, path = recipe.data, str(recipe.path)
-    out: list[Finding] = []
+@dataclass
+class RuleContext:
+    """What every lfa review rule reads; rules report through add()."""
+    recipe: Recipe
+    hardware: HardwareProfile
+    plan: Plan
+    lines: dict[str, int]
+    spec: ModelSpec | None
+    workdir: Path
+    findings: list[Finding] = field(default_factory=list)
 
-    def add(severity, rule, message, key=None):
-        out.append(Finding(severity, rule, message, path, lines.get(key, 1) if key else 1))
+    @property
+    def d(self) -> dict:
+        return self.recipe.data
 
-    for constraint in violations(plan):  # strategy.CONSTRAINTS: combinations that fail at the first step
-        add("error", constraint.rule, f"{constraint.why}; {constraint.fix}", constraint.key)
-    gpu = hardware.gpu if hardware.has_gpu else None
-    if plan.precision == "bf16" and gpu is not None and not gpu.bf16:
-        add("error", "bf16_unsupported", f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
-            "transformers' check passes through emulation, so this runs slowly or fails mid-run. Use fp16", "bf16")
-    if plan.precision == "fp16" and gpu is not None and gpu.bf16:
-        add("info", "fp16_on_bf16_card", f"fp16 on {gpu.name}, which has bf16 (no loss scaling, no overflow)", "fp16")
-    launch = _launch_script(recipe)
-    distributed = bool(d.get("deepspeed")) or hardware.world_size > 1
-    if plan.launcher == "ray" and launch is not None and not re.search(r"^export USE_RAY=\"?1\"?", launch, re.M):
-        add("error", "ray_without_use_ray", "the recipe has Ray keys but launch.sh does not export USE_RAY=1: "
-            "LLaMA-Factory would ignore them and train in one process", "ray_num_workers")
-    if d.get("deepspeed") and plan.launcher != "ray":  # Ray workers get their rank/world size from LLaMA-Factory
-        if launch is not None and not re.search(r"^export FORCE_TORCHRUN=\"?1\"?", launch, re.M):
-            add("error", "deepspeed_without_torchrun", "DeepSpeed is set but launch.sh does not export FORCE_TORCHRUN=1: "
-                "LLaMA-Factory stops with \"Please use `FORCE_TORCHRUN=1` to launch DeepSpeed training.\"", "deepspeed")
-        elif launch is None:
-            add("warning", "deepspeed_launch", "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
-                "plain llamafactory-cli export it yourself)", "deepspeed")
-        ds_path, beside = _resolve(workdir, recipe, str(d["deepspeed"]))
-        try:
-            ds = json.loads(ds_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}",
-                "deepspeed")
-        else:
-            zero = ds.get("zero_optimization", {})
-            offloads = plan.offload != "none"
-            kwargs = d.get("lr_scheduler_kwargs")
-            if int(zero.get("stage", 0)) == 3 and isinstance(kwargs, dict) and "min_lr" in kwargs:
-                add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
-                    "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
-                    "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
-            if offloads and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
-                add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
-                    "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
-                    "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
-                    "section (lfa's templates do)", "deepspeed")
-    task_name = recipe.meta.get("task")
-    if task_name in task_files():
-        task = load_task(task_name)
-        if plan.effective_batch_size != task.effective_batch_size:
-            add("warning", "effective_batch_changed", f"effective batch {plan.effective_batch_size} = "
-                f"{plan.micro_batch_size} x {plan.grad_accum} x {plan.world_size} GPU(s), but task {task_name} trains "
-                f"with {task.effective_batch_size} (the paper's batch); learning rate and schedule assume it",
-                "per_device_train_batch_size")
-    for key, raw in raw_scalars(recipe.text).items():
+    @property
+    def gpu(self):
+        return self.hardware.gpu if self.hardware.has_gpu else None
+
+    @property
+    def launch(self) -> str | None:
+        return _launch_script(self.recipe)
+
+    @property
+    def task(self) -> TaskSpec | None:
+        name = self.recipe.meta.get("task")
+        return load_task(name) if name in task_files() else None
+
+    def add(self, severity: str, rule_id: str, message: str, key: str | None = None) -> None:
+        self.findings.append(Finding(severity, rule_id, message, str(self.recipe.path),
+                                     self.lines.get(key, 1) if key else 1))
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    ids: tuple[str, ...]  # the finding rule ids it can report
+    check: Callable[[RuleContext], None]
+
+
+RULES: list[Rule] = []
+
+
+def rule(*ids: str):
+    """Register a review check under the rule ids it reports (`lfa review` runs them in this order)."""
+    def register(check: Callable[[RuleContext], None]):
+        RULES.append(Rule(check.__name__, ids, check))
+        return check
+    return register
+
+
+@rule(*(c.rule for c in CONSTRAINTS))
+def strategy_constraints(c: RuleContext) -> None:
+    for constraint in violations(c.plan):  # strategy.CONSTRAINTS: combinations that fail at the first step
+        c.add("error", constraint.rule, f"{constraint.why}; {constraint.fix}", constraint.key)
+
+
+@rule("bf16_unsupported", "fp16_on_bf16_card")
+def precision_for_the_card(c: RuleContext) -> None:
+    gpu = c.gpu
+    if c.plan.precision == "bf16" and gpu is not None and not gpu.bf16:
+        c.add("error", "bf16_unsupported", f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
+              "transformers' check passes through emulation, so this runs slowly or fails mid-run. Use fp16", "bf16")
+    if c.plan.precision == "fp16" and gpu is not None and gpu.bf16:
+        c.add("info", "fp16_on_bf16_card", f"fp16 on {gpu.name}, which has bf16 (no loss scaling, no overflow)", "fp16")
+
+
+@rule("ray_without_use_ray")
+def ray_needs_use_ray(c: RuleContext) -> None:
+    launch = c.launch
+    if c.plan.launcher == "ray" and launch is not None and not re.search(r"^export USE_RAY=\"?1\"?", launch, re.M):
+        c.add("error", "ray_without_use_ray", "the recipe has Ray keys but launch.sh does not export USE_RAY=1: "
+              "LLaMA-Factory would ignore them and train in one process", "ray_num_workers")
+
+
+@rule("deepspeed_without_torchrun", "deepspeed_launch")
+def deepspeed_needs_torchrun(c: RuleContext) -> None:
+    if not c.d.get("deepspeed") or c.plan.launcher == "ray":  # Ray workers get their rank from LLaMA-Factory
+        return
+    launch = c.launch
+    if launch is not None and not re.search(r"^export FORCE_TORCHRUN=\"?1\"?", launch, re.M):
+        c.add("error", "deepspeed_without_torchrun", "DeepSpeed is set but launch.sh does not export "
+              "FORCE_TORCHRUN=1: LLaMA-Factory stops with \"Please use `FORCE_TORCHRUN=1` to launch DeepSpeed "
+              "training.\"", "deepspeed")
+    elif launch is None:
+        c.add("warning", "deepspeed_launch", "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
+              "plain llamafactory-cli export it yourself)", "deepspeed")
+
+
+@rule("deepspeed_config", "zero3_min_lr", "offload_without_optimizer")
+def deepspeed_config(c: RuleContext) -> None:
+    d = c.d
+    if not d.get("deepspeed") or c.plan.launcher == "ray":
+        return
+    ds_path, beside = _resolve(c.workdir, c.recipe, str(d["deepspeed"]))
+    try:
+        ds = json.loads(ds_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        c.add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}",
+              "deepspeed")
+        return
+    zero = ds.get("zero_optimization", {})
+    kwargs = d.get("lr_scheduler_kwargs")
+    if int(zero.get("stage", 0)) == 3 and isinstance(kwargs, dict) and "min_lr" in kwargs:
+        c.add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
+              "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
+              "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
+    if c.plan.offload != "none" and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
+        c.add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
+              "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
+              "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
+              "section (lfa's templates do)", "deepspeed")
+
+
+@rule("effective_batch_changed")
+def effective_batch_of_the_task(c: RuleContext) -> None:
+    task, plan = c.task, c.plan
+    if task is not None and plan.effective_batch_size != task.effective_batch_size:
+        c.add("warning", "effective_batch_changed", f"effective batch {plan.effective_batch_size} = "
+              f"{plan.micro_batch_size} x {plan.grad_accum} x {plan.world_size} GPU(s), but task {task.name} trains "
+              f"with {task.effective_batch_size} (the paper's batch); learning rate and schedule assume it",
+              "per_device_train_batch_size")
+
+
+@rule("exponent_float")
+def exponent_floats(c: RuleContext) -> None:
+    for key, raw in raw_scalars(c.recipe.text).items():
         if EXPONENT_WITHOUT_DOT.match(raw):
-            add("warning", "exponent_float", f"`{key}: {raw}` is a float to LLaMA-Factory 0.9.5 (OmegaConf) but a "
-                f"string to plain PyYAML (yaml.safe_load, HfArgumentParser.parse_yaml_file): write it with a dot, "
-                f"e.g. {float(raw):.1e}".replace("e-0", "e-").replace("e+0", "e+"), key)
-    spaced = [k for k in PATH_KEYS if " " in str(d.get(k) or "")] + (["(recipe path)"] if " " in str(recipe.path.resolve()) else [])
+            c.add("warning", "exponent_float", f"`{key}: {raw}` is a float to LLaMA-Factory 0.9.5 (OmegaConf) but a "
+                  f"string to plain PyYAML (yaml.safe_load, HfArgumentParser.parse_yaml_file): write it with a dot, "
+                  f"e.g. {float(raw):.1e}".replace("e-0", "e-").replace("e+0", "e+"), key)
+
+
+@rule("path_with_spaces")
+def paths_without_spaces(c: RuleContext) -> None:
+    d = c.d
+    distributed = bool(d.get("deepspeed")) or c.hardware.world_size > 1
+    spaced = [k for k in PATH_KEYS if " " in str(d.get(k) or "")] + \
+        (["(recipe path)"] if " " in str(c.recipe.path.resolve()) else [])
     for key in spaced:
-        add("error" if distributed else "warning", "path_with_spaces",
-            f"{key} contains a space: LLaMA-Factory's torchrun relaunch splits it" +
-            ("" if distributed else " (matters once the recipe runs on several GPUs or DeepSpeed)"),
-            key if key in d else None)
+        c.add("error" if distributed else "warning", "path_with_spaces",
+              f"{key} contains a space: LLaMA-Factory's torchrun relaunch splits it" +
+              ("" if distributed else " (matters once the recipe runs on several GPUs or DeepSpeed)"),
+              key if key in d else None)
+
+
+@rule("version_dependent_key")
+def version_dependent_keys(c: RuleContext) -> None:
     for entry in version_keys():
-        if entry["key"] not in d:
+        if entry["key"] not in c.d:
             continue
         installed = _installed(entry["package"])
         # the installed version decides: it rejects the key (error), accepts it (info: a note for other
         # installs), or is absent here (warning: the key works only on some versions)
         severity = "warning" if installed is None else \
             "info" if _version_matches(installed, entry["accepted"]) else "error"
-        add(severity, "version_dependent_key",
-            f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
-            + (f" (installed: {installed})" if installed else "") + f"; elsewhere: {entry['instead']}", entry["key"])
-    template = d.get("template")
+        c.add(severity, "version_dependent_key",
+              f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
+              + (f" (installed: {installed})" if installed else "") + f"; elsewhere: {entry['instead']}",
+              entry["key"])
+
+
+@rule("plugin_template")
+def plugin_template_launch(c: RuleContext) -> None:
+    template, launch = c.d.get("template"), c.launch
     if template in chat_template_files() and (launch is None or "plugin" not in launch):
-        add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with `lfa train` "
-            "or an lfa launch.sh, which register it in every process", "template")
-    info_file, beside = _resolve(workdir, recipe, str(Path(str(d.get("dataset_dir", "data"))) / "dataset_info.json"))
+        c.add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with "
+              "`lfa train` or an lfa launch.sh, which register it in every process", "template")
+
+
+@rule("dataset_info_missing", "dataset_info_invalid", "dataset_undefined", "dataset_file_missing")
+def datasets_defined(c: RuleContext) -> None:
+    d = c.d
+    info_file, beside = _resolve(c.workdir, c.recipe, str(Path(str(d.get("dataset_dir", "data"))) / "dataset_info.json"))
     dataset_dir = info_file.parent
     for name in [s.strip() for s in str(d.get("dataset") or "").split(",") if s.strip()]:
         if not info_file.is_file():
-            add("error", "dataset_info_missing", f"{info_file} does not exist (LLaMA-Factory: \"Cannot open "
-                f"{info_file}\"){beside}", "dataset_dir")
-            break
+            c.add("error", "dataset_info_missing", f"{info_file} does not exist (LLaMA-Factory: \"Cannot open "
+                  f"{info_file}\"){beside}", "dataset_dir")
+            return
         try:
             info = json.loads(info_file.read_text())
         except json.JSONDecodeError as exc:
-            add("error", "dataset_info_invalid", f"{info_file} is not valid JSON: {exc}", "dataset_dir")
-            break
+            c.add("error", "dataset_info_invalid", f"{info_file} is not valid JSON: {exc}", "dataset_dir")
+            return
         if name not in info:
             close = difflib.get_close_matches(name, list(info), n=1)
-            add("error", "dataset_undefined", f"dataset {name} is not in {info_file.name}"
-                + (f"; did you mean {close[0]}?" if close else ""), "dataset")
+            c.add("error", "dataset_undefined", f"dataset {name} is not in {info_file.name}"
+                  + (f"; did you mean {close[0]}?" if close else ""), "dataset")
         elif "file_name" in info[name] and not (dataset_dir / info[name]["file_name"]).exists():
-            add("warning", "dataset_file_missing", f"{info[name]['file_name']} (dataset {name}) is not here; it must "
-                "exist on the training machine", "dataset")
-    model = str(d.get("model_name_or_path", ""))
-    local, beside = _resolve(workdir, recipe, model)
-    stage_input = task_name in task_files() and load_task(task_name).model_from_task
+            c.add("warning", "dataset_file_missing", f"{info[name]['file_name']} (dataset {name}) is not here; it "
+                  "must exist on the training machine", "dataset")
+
+
+@rule("model_missing", "model_from_stage")
+def model_exists(c: RuleContext) -> None:
+    model = str(c.d.get("model_name_or_path", ""))
+    local, beside = _resolve(c.workdir, c.recipe, model)
+    stage_input = c.task.model_from_task if c.task is not None else None
     if model and not HUB_ID.match(model) and not local.exists():
         if stage_input:
-            add("warning", "model_from_stage", f"model {model} is {stage_input}'s output: train that stage first",
-                "model_name_or_path")
+            c.add("warning", "model_from_stage", f"model {model} is {stage_input}'s output: train that stage first",
+                  "model_name_or_path")
         else:
-            add("error", "model_missing", f"model {model} is neither a local folder (from {workdir}) nor a "
-                f"hub id{beside}", "model_name_or_path")
-    known = llamafactory_templates()
+            c.add("error", "model_missing", f"model {model} is neither a local folder (from {c.workdir}) nor a "
+                  f"hub id{beside}", "model_name_or_path")
+
+
+@rule("unknown_template")
+def template_known(c: RuleContext) -> None:
+    template, known = c.d.get("template"), llamafactory_templates()
     if template and known is not None and template not in known:
         close = difflib.get_close_matches(str(template), sorted(known), n=1)
-        add("error", "unknown_template", f"template {template} is neither in LLaMA-Factory nor in lfa's templates/chat"
-            + (f"; did you mean {close[0]}?" if close else ""), "template")
-    if spec is not None and gpu is not None:
-        mem = estimate(spec, plan, int(d.get("cutoff_len", 2048)), gpu.vram_gib)
-        if mem.reserved_gib > gpu.vram_gib:
-            add("error", "memory_over_budget", f"predicted peak {mem.reserved_gib:.1f} GiB per GPU does not fit "
-                f"{gpu.vram_gib:.1f} GiB on {hardware.name} ({plan.label()}): CUDA out of memory expected",
-                "per_device_train_batch_size")
-        elif not mem.fits:
-            add("warning", "memory_headroom", f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
-                f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
-                "per_device_train_batch_size")
-    if spec is not None:
-        host = host_memory(spec, plan, hardware)
-        if host.ram_gib and not host.fits:
-            add("error" if host.total_gib > host.ram_gib else "warning", "host_memory_over",
-                f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: " +
-                ", ".join(f"{k} {v:.1f}" for k, v in host.items.items()) +
-                f") against {host.ram_gib:.0f} GiB on {hardware.name} ({host.limit_gib:.1f} usable): the kernel's OOM "
-                "killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if plan.offload != "none" else None)
-    if d.get("max_samples"):
-        add("warning", "max_samples", f"max_samples: {d['max_samples']} trains on the first {d['max_samples']} rows "
-            "of the dataset only", "max_samples")
-    rows = _dataset_rows(recipe, workdir)
-    if rows is not None:
-        rows = min(rows, int(d["max_samples"])) if d.get("max_samples") else rows
-        steps_per_epoch = rows // plan.effective_batch_size
-        if steps_per_epoch < 1:
-            add("error", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
-                f"{plan.effective_batch_size}: not one optimizer step per epoch", "per_device_train_batch_size")
-        elif steps_per_epoch < 10:
-            add("warning", "few_steps_per_epoch", f"{rows} rows / effective batch {plan.effective_batch_size} = "
-                f"{steps_per_epoch} optimizer steps per epoch: warmup and the schedule have little room",
-                "per_device_train_batch_size")
-    return out
+        c.add("error", "unknown_template", f"template {template} is neither in LLaMA-Factory nor in lfa's "
+              "templates/chat" + (f"; did you mean {close[0]}?" if close else ""), "template")
+
+
+@rule("memory_over_budget", "memory_headroom")
+def gpu_memory(c: RuleContext) -> None:
+    gpu, plan = c.gpu, c.plan
+    if c.spec is None or gpu is None:
+        return
+    mem = estimate(c.spec, plan, int(c.d.get("cutoff_len", 2048)), gpu.vram_gib)
+    if mem.reserved_gib > gpu.vram_gib:
+        c.add("error", "memory_over_budget", f"predicted peak {mem.reserved_gib:.1f} GiB per GPU does not fit "
+              f"{gpu.vram_gib:.1f} GiB on {c.hardware.name} ({plan.label()}): CUDA out of memory expected",
+              "per_device_train_batch_size")
+    elif not mem.fits:
+        c.add("warning", "memory_headroom", f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
+              f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
+              "per_device_train_batch_size")
+
+
+@rule("host_memory_over")
+def host_ram(c: RuleContext) -> None:
+    if c.spec is None:
+        return
+    host = host_memory(c.spec, c.plan, c.hardware)
+    if host.ram_gib and not host.fits:
+        c.add("error" if host.total_gib > host.ram_gib else "warning", "host_memory_over",
+              f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in host.items.items()) +
+              f") against {host.ram_gib:.0f} GiB on {c.hardware.name} ({host.limit_gib:.1f} usable): the kernel's "
+              "OOM killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if c.plan.offload != "none" else None)
+
+
+@rule("max_samples")
+def max_samples_set(c: RuleContext) -> None:
+    if c.d.get("max_samples"):
+        c.add("warning", "max_samples", f"max_samples: {c.d['max_samples']} trains on the first "
+              f"{c.d['max_samples']} rows of the dataset only", "max_samples")
+
+
+@rule("fewer_rows_than_batch", "few_steps_per_epoch")
+def steps_per_epoch(c: RuleContext) -> None:
+    rows, plan = _dataset_rows(c.recipe, c.workdir), c.plan
+    if rows is None:
+        return
+    rows = min(rows, int(c.d["max_samples"])) if c.d.get("max_samples") else rows
+    steps = rows // plan.effective_batch_size
+    if steps < 1:
+        c.add("error", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
+              f"{plan.effective_batch_size}: not one optimizer step per epoch", "per_device_train_batch_size")
+    elif steps < 10:
+        c.add("warning", "few_steps_per_epoch", f"{rows} rows / effective batch {plan.effective_batch_size} = "
+              f"{steps} optimizer steps per epoch: warmup and the schedule have little room",
+              "per_device_train_batch_size")
+
+
+def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
+                  spec: ModelSpec | None, workdir: Path | None = None) -> list[Finding]:
+    context = RuleContext(recipe, hardware, plan, lines, spec, workdir or recipe.folder)
+    for registered in RULES:
+        registered.check(context)
+    return context.findings
 
 
 def _model_spec(recipe: Recipe, model: str | None, workdir: Path) -> ModelSpec | None:
@@ -425,40 +583,39 @@ def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
 
 
 def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None,
-              workdir: Path | None = None) -> dict:
+              workdir: Path | None = None) -> ReviewSummary:
     d = recipe.data
     cutoff = int(d.get("cutoff_len", 2048))
     fraction = 1.0 if plan.packing else float(recipe.meta.get("mean_seq_fraction", 0.75))
-    summary = {"hardware": hardware.name, "plan": plan.label(), "precision": plan.precision,
-               "micro_batch": plan.micro_batch_size, "grad_accum": plan.grad_accum, "gpus": plan.world_size,
-               "effective_batch": plan.effective_batch_size,
-               "deepspeed": f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
-               if plan.deepspeed else "none",
-               "gradient_checkpointing": plan.gradient_checkpointing,
-               "tokens_per_step": round(plan.effective_batch_size * cutoff * fraction)}
+    summary = ReviewSummary(
+        hardware=hardware.name, plan=plan.label(), precision=plan.precision, micro_batch=plan.micro_batch_size,
+        grad_accum=plan.grad_accum, gpus=plan.world_size, effective_batch=plan.effective_batch_size,
+        deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
+        if plan.deepspeed else "none", gradient_checkpointing=plan.gradient_checkpointing,
+        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction))
     if spec is None:
-        summary["note"] = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
+        summary.note = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
         return summary
-    summary["model"] = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
+    summary.model = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
     predicted = predict(spec, plan, hardware, cutoff, fraction)
     if hardware.has_gpu:
-        summary["memory_gib"] = {k: round(v, 2) for k, v in predicted.memory.items.items()}
-        summary["reserved_gib"] = round(predicted.memory.reserved_gib, 2)
-        summary["budget_gib"] = hardware.gpu.vram_gib
-        summary["fits"] = predicted.memory.fits
-    summary["host_gib"] = round(predicted.host.total_gib, 1)
-    summary["host_ram_gib"] = predicted.host.ram_gib
+        summary.memory_gib = {k: round(v, 2) for k, v in predicted.memory.items.items()}
+        summary.reserved_gib = round(predicted.memory.reserved_gib, 2)
+        summary.budget_gib = hardware.gpu.vram_gib
+        summary.fits = predicted.memory.fits
+    summary.host_gib = round(predicted.host.total_gib, 1)
+    summary.host_ram_gib = predicted.host.ram_gib
     tokens_per_s = predicted.tokens_per_s
-    summary["predicted_tokens_per_s"] = round(tokens_per_s)
-    summary["speed_basis"] = speed_basis(hardware, plan)
+    summary.predicted_tokens_per_s = round(tokens_per_s)
+    summary.speed_basis = speed_basis(hardware, plan)
     rows = _dataset_rows(recipe, workdir or recipe.folder)
     if rows:
         epochs = float(d.get("num_train_epochs", 3.0))
         total = rows * epochs * cutoff * fraction
         if d.get("max_steps") and int(d["max_steps"]) > 0:
-            total = min(total, int(d["max_steps"]) * summary["tokens_per_step"])
-        summary["dataset_rows"] = rows
-        summary["predicted_wall_time_s"] = round(total / tokens_per_s)
+            total = min(total, int(d["max_steps"]) * summary.tokens_per_step)
+        summary.dataset_rows = rows
+        summary.predicted_wall_time_s = round(total / tokens_per_s)
     return summary
 
 
@@ -550,19 +707,21 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         for f in r.findings:
             out.append(f"{f.file}:{f.line}: {f.severity}: [{f.rule}] {f.message}")
         s = r.summary
-        line = f"{r.path}: {s['plan']} on {s['hardware']}, effective batch {s['effective_batch']}, " \
-               f"~{s['tokens_per_step']:,} tokens/step"
-        if "reserved_gib" in s:
-            line += f", {s['reserved_gib']:.1f} of {s['budget_gib']:.1f} GiB"
-        if "host_gib" in s:
-            line += f", host {s['host_gib']:.0f}" + (f" of {s['host_ram_gib']:.0f} GiB RAM" if s["host_ram_gib"] else " GiB RAM")
-        if "predicted_tokens_per_s" in s:
-            line += f", ~{s['predicted_tokens_per_s']:,} tok/s"
-        if "predicted_wall_time_s" in s:
-            line += f", ~{_duration(s['predicted_wall_time_s'])} for {s['dataset_rows']:,} rows"
+        if s is None:
+            continue
+        line = f"{r.path}: {s.plan} on {s.hardware}, effective batch {s.effective_batch}, " \
+               f"~{s.tokens_per_step:,} tokens/step"
+        if s.reserved_gib is not None:
+            line += f", {s.reserved_gib:.1f} of {s.budget_gib:.1f} GiB"
+        if s.host_gib is not None:
+            line += f", host {s.host_gib:.0f}" + (f" of {s.host_ram_gib:.0f} GiB RAM" if s.host_ram_gib else " GiB RAM")
+        if s.predicted_tokens_per_s is not None:
+            line += f", ~{s.predicted_tokens_per_s:,} tok/s"
+        if s.predicted_wall_time_s is not None:
+            line += f", ~{_duration(s.predicted_wall_time_s)} for {s.dataset_rows:,} rows"
         out.append(line)
-        if "speed_basis" in s:
-            out.append(f"  (speed: {s['speed_basis']})")
+        if s.speed_basis is not None:
+            out.append(f"  (speed: {s.speed_basis})")
         if r.diff is not None:
             out.append(format_diff(r.diff, f"{r.base}", "this change").rstrip())
         elif r.base:
@@ -594,20 +753,22 @@ def _markdown(reviews: list[RecipeReview]) -> str:
                     for f in r.findings]
         else:
             out.append("No findings.")
+        if s is None:
+            continue
         out += ["", "| plan | effective batch | tokens/step | memory per GPU | host RAM per node | predicted speed | wall time |",
                 "|---|---|---|---|---|---|---|",
-                f"| `{s['plan']}` on {s['hardware']} | {s['effective_batch']} = {s['micro_batch']} x {s['grad_accum']} x "
-                f"{s['gpus']} | ~{s['tokens_per_step']:,} | "
-                + (f"{s['reserved_gib']:.1f} / {s['budget_gib']:.1f} GiB" if "reserved_gib" in s else "-") + " | "
-                + (f"{s['host_gib']:.0f} / {s['host_ram_gib'] or 0:.0f} GiB" if "host_gib" in s else "-") + " | "
-                + (f"~{s['predicted_tokens_per_s']:,} tok/s" if "predicted_tokens_per_s" in s else "-") + " | "
-                + (f"~{_duration(s['predicted_wall_time_s'])} ({s['dataset_rows']:,} rows)" if "predicted_wall_time_s" in s else "-")
+                f"| `{s.plan}` on {s.hardware} | {s.effective_batch} = {s.micro_batch} x {s.grad_accum} x "
+                f"{s.gpus} | ~{s.tokens_per_step:,} | "
+                + (f"{s.reserved_gib:.1f} / {s.budget_gib:.1f} GiB" if s.reserved_gib is not None else "-") + " | "
+                + (f"{s.host_gib:.0f} / {s.host_ram_gib or 0:.0f} GiB" if s.host_gib is not None else "-") + " | "
+                + (f"~{s.predicted_tokens_per_s:,} tok/s" if s.predicted_tokens_per_s is not None else "-") + " | "
+                + (f"~{_duration(s.predicted_wall_time_s)} ({s.dataset_rows:,} rows)" if s.predicted_wall_time_s is not None else "-")
                 + " |"]
-        if "speed_basis" in s:
-            out += ["", f"Speed and wall time rest on: {s['speed_basis']}."]
-        if "memory_gib" in s:
+        if s.speed_basis is not None:
+            out += ["", f"Speed and wall time rest on: {s.speed_basis}."]
+        if s.memory_gib is not None:
             out += ["", "<details><summary>memory breakdown (GiB per GPU)</summary>", ""]
-            out += [f"- {v:.2f} {k}" for k, v in s["memory_gib"].items()] + ["", "</details>"]
+            out += [f"- {v:.2f} {k}" for k, v in s.memory_gib.items()] + ["", "</details>"]
         if r.diff is not None:
             out += ["", f"**Changes against `{r.base}`**" + (" (none)" if not r.diff else ""), ""]
             if r.diff:

@@ -219,7 +219,7 @@ def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: Train
 
 def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
                  reporter: Reporter, interrupted: dict, on_start, vocab_size: int | None = None,
-                 stop_on_divergence: bool = False) -> dict:
+                 stop_on_divergence: bool = False, start_process=start) -> dict:
     log_path = run_dir / f"attempt-{n}.log"
     events_path = Path(env["LFA_EVENTS_FILE"])
     trainer_log = output_dir / "trainer_log.jsonl"
@@ -235,7 +235,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         log_file.write(f"$ {' '.join(command)}\n".encode())
         log_file.flush()
         started = time.time()
-        process = start(command, cwd, env, log_file)
+        process = start_process(command, cwd, env, log_file)
         interrupted.update(process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher,
                                                                                    result))
         on_start(process.pid)
@@ -424,13 +424,38 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
             "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2)}
 
 
-def supervise(request: TrainRequest, finish: bool = True) -> int:
+@dataclass
+class RunSetup:
+    request: TrainRequest
+    recipe: Recipe
+    hardware: HardwareProfile
+    name: str
+    run_dir: Path
+    output_dir: Path
+    locks: list
+    ledger: RunLedger
+    reporter: Reporter
+    user_keys: dict
+    model_dir: Path
+    trained_model: ModelSpec | None
+    context: Context
+    effective: Recipe  # the recipe with --set keys: what the first attempt's plan is read from
+    attempt: Attempt
+    launch_keys: dict
+    rendezvous_env: dict
+    ended_orphan: str | None
+
+    def save(self) -> None:
+        write_ledger(self.run_dir, self.ledger)
+
+
+def supervise(request: TrainRequest, finish: bool = True, start_process=start) -> int:
     """Prepare, run the attempts, finish: the run's exit code; the summary block and report once it ran
     (finish=False: the caller calls finish_run itself)."""
-    started: dict = {}
-    code = _attempt_loop(request, started)
-    if started and finish:
-        finish_run(started["run_dir"], started["reporter"])
+    setup = prepare(request)
+    code = attempt_loop(setup, start_process)
+    if finish:
+        finish_run(setup.run_dir, setup.reporter)
     return code
 
 
@@ -451,7 +476,9 @@ def finish_run(run_dir: Path, reporter: Reporter) -> None:
             reporter.event("summary", line)
 
 
-def _attempt_loop(request: TrainRequest, started: dict) -> int:
+def prepare(request: TrainRequest) -> RunSetup:
+    """Everything before the first attempt: the recipe and its plan, the run folder and its locks, the ledger, what
+    remedies need to know. Raises UserError on bad input, before anything runs."""
     if ladder_problems():  # a misspelled remedy would only be skipped in the middle of a failing run
         raise UserError("failures/classes.yaml: " + "; ".join(ladder_problems()))
     recipe = load_recipe(request.recipe)
@@ -468,16 +495,12 @@ def _attempt_loop(request: TrainRequest, started: dict) -> int:
         for step, path in _checkpoints(output_dir):
             path.rename(path.with_name(f"superseded-{path.name}-{int(time.time())}"))
     ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
-
-    def save() -> None:
-        write_ledger(run_dir, ledger)
     rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
                                                             ("MASTER_ADDR", request.master_addr),
                                                             ("MASTER_PORT", request.master_port)) if value is not None}
     if request.node_rank is not None and not 0 <= request.node_rank < hardware.nodes:
         raise UserError(f"--node-rank {request.node_rank}: the recipe's hardware has {hardware.nodes} node(s)")
     reporter = Reporter(request.json_events)
-    started.update(run_dir=run_dir, reporter=reporter)
     user_keys = {}
     for item in request.overrides:
         if "=" not in item:
@@ -501,6 +524,21 @@ def _attempt_loop(request: TrainRequest, started: dict) -> int:
             raise UserError(f"{recipe.path} trains through Ray (USE_RAY=1) but ray is not installed here: "
                             "pip install ray")
         launch_keys["master_addr"] = address
+    return RunSetup(request, recipe, hardware, name, run_dir, output_dir, locks, ledger, reporter, user_keys,
+                    model_dir, trained_model, context, effective, attempt, launch_keys, rendezvous_env, ended_orphan)
+
+
+def attempt_loop(setup: RunSetup, start_process=start) -> int:
+    """Attempts until one succeeds, a failure cannot be retried, or the budget is spent: the exit code.
+    start_process(command, cwd, env, log_file) -> Popen starts the trainer (launch.start; tests pass others)."""
+    request, recipe, hardware, name, run_dir, output_dir = (setup.request, setup.recipe, setup.hardware, setup.name,
+                                                            setup.run_dir, setup.output_dir)
+    locks, ledger, reporter, user_keys, model_dir = (setup.locks, setup.ledger, setup.reporter, setup.user_keys,
+                                                     setup.model_dir)
+    trained_model, context, effective, attempt = (setup.trained_model, setup.context, setup.effective,
+                                                  setup.attempt)
+    launch_keys, rendezvous_env, ended_orphan = setup.launch_keys, setup.rendezvous_env, setup.ended_orphan
+    save = setup.save
     base_plan_keys = plan_keys(attempt.plan)
     notes: list[str] = []
     tried: set[str] = set()
@@ -575,7 +613,8 @@ def _attempt_loop(request: TrainRequest, started: dict) -> int:
                 save()
 
             result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start,
-                                  trained_model.vocab_size if trained_model else None, request.stop_on_divergence)
+                                  trained_model.vocab_size if trained_model else None, request.stop_on_divergence,
+                                  start_process)
             tail = result.pop("tail")
             failure = classify(tail, result["returncode"])
             if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
