@@ -1,4 +1,4 @@
-"""Predicted (lf_adapter.planner.predict_tokens_per_s) vs measured steady-state tokens/s for the H200 bench runs.
+"""Predicted (lf_adapter.throughput.predict_tokens_per_s) vs measured steady-state tokens/s for the H200 bench runs.
 
 usage: python bench/model_check.py [bench/results/h200_session9/runD.json ...]
 The measured mean row length (1,475 tokens of 2,048 after truncation, bench/README.md) is given to the model, so
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lf_adapter.hardware import load_profile  # noqa: E402
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
-from lf_adapter.planner import predict_tokens_per_s  # noqa: E402
+from lf_adapter.throughput import predict_tokens_per_s  # noqa: E402
 
 MEAN_FRACTION = 1475 / 2048
 PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200",

@@ -137,7 +137,7 @@ def table(results: dict) -> None:
     from lf_adapter.memory import host_memory
     from lf_adapter.model_spec import load_model_spec
     from lf_adapter.plan import Plan
-    from lf_adapter.planner import predict_tokens_per_s
+    from lf_adapter.throughput import predict_tokens_per_s
 
     hardware = load_profile("h200")
     specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from . import UserError, __version__
-from .launch import REPORT_TO
+from .run.process import REPORT_TO
 
 
 def user_errors(fn):
@@ -87,7 +87,7 @@ def detect(as_json, save, no_network):
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
 def tasks_cmd(as_json):
-    """List the task definitions (templates/tasks/*.yaml)."""
+    """List the task definitions (catalog/tasks/*.yaml)."""
     from .tasks import list_tasks
 
     tasks = list_tasks()
@@ -186,11 +186,11 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
 
     Example: lfa generate --task pseudo2norm --model LLM4Binary/llm4decompile-1.3b-v2 --hardware v100-32g -o out/
     """
-    from .recipe import GenerateRequest, generate as run_generate
-    from .render import write_recipe_dir
+    from .recipe.generate import GenerateRequest, generate as run_generate
+    from .recipe.render import write_recipe_dir
 
     if check:
-        from .goldens import check_goldens
+        from .recipe.goldens import check_goldens
         drift = check_goldens(Path(out_dir or "recipes"))
         for line in drift:
             click.echo(line)
@@ -280,7 +280,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     from .memory import estimate as run_estimate, host_memory
     from .model_spec import load_model_spec
     from .planner import PlanOptions, plan
-    from .recipe_file import load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
+    from .recipe.read import load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
     from .hardware import load_profile
     from .tasks import load_task
 
@@ -335,7 +335,8 @@ def review(recipes, hardware, model, base_ref, fmt, workdir):
 
     Example: lfa review recipes/pseudo2norm/*/train.yaml --base origin/main --format markdown > review.md
     """
-    from .review import format_reviews, review_recipe
+    from .review.core import review_recipe
+    from .review.formats import format_reviews
 
     reviews = [review_recipe(path, hardware=hardware, model=model, base_ref=base_ref, workdir=workdir)
                for path in recipes]
@@ -359,7 +360,7 @@ def doctor(log, recipe, hardware, out, allow_hparam_change, as_json):
 
     Example: lfa doctor nohup.out --recipe train.yaml --hardware v100-32g
     """
-    from .doctor import diagnose
+    from .run.doctor import diagnose
 
     d = diagnose(Path(log), Path(recipe) if recipe else None, hardware, Path(out) if out else None,
                  allow_hparam_change)
@@ -371,7 +372,7 @@ def doctor(log, recipe, hardware, out, allow_hparam_change, as_json):
                                "advice": d.advice, "written": d.written, "env": d.env}, indent=2))
         sys.exit(d.exit_code)
     if d.failure is None:
-        click.echo(f"{log}: no known failure in the log (lfa's classes: templates/failures/classes.yaml)")
+        click.echo(f"{log}: no known failure in the log (lfa's classes: catalog/failures/classes.yaml)")
         sys.exit(1)
     f = d.failure
     click.echo(f"{log}: {f.kind} ({'retriable' if f.retriable else 'not retriable'})")
@@ -404,8 +405,8 @@ def diff_cmd(old, new, fmt):
 
     Example: lfa diff recipes/pseudo2norm/v100-32g/train.yaml recipes/pseudo2norm/v100-32g/train.resolved.yaml
     """
-    from .recipe_diff import format_diff, semantic_diff, semantic_view
-    from .recipe_file import load_recipe
+    from .recipe.diff import format_diff, semantic_diff, semantic_view
+    from .recipe.read import load_recipe
 
     entries = semantic_diff(semantic_view(load_recipe(old)), semantic_view(load_recipe(new)))
     click.echo(format_diff(entries, old, new, fmt), nl=fmt == "json" or fmt == "markdown")
@@ -437,7 +438,7 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
     """
-    from .runs import supervise, TrainRequest, start_detached
+    from .run.supervisor import supervise, TrainRequest, start_detached
 
     request = TrainRequest(recipe=Path(recipe), run_dir=Path(run_dir) if run_dir else None, name=name,
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
@@ -456,7 +457,7 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
 def _refuse_broken_recipe(recipe: Path, hardware: str | None) -> None:
     """Before detaching: a recipe LLaMA-Factory or lfa's rules reject would only fail in the background, where the
     user does not see it."""
-    from .review import review_recipe
+    from .review.core import review_recipe
 
     # what no retry can fix (failures lfa recovers from, like a predicted OOM or bf16 on a V100, do not block)
     fatal = {"unknown_key", "wrong_type", "yaml_boolean", "llamafactory_check", "dataset_info_missing",
@@ -476,7 +477,7 @@ def status(runs, as_json):
 
     Example: lfa status runs/v100-32g
     """
-    from .run_control import all_runs, resolve_run_dir, run_status
+    from .run.control import all_runs, resolve_run_dir, run_status
 
     import math
 
@@ -529,7 +530,7 @@ def logs(run, follow, lines):
 
     Example: lfa logs -f v100-32g
     """
-    from .run_control import follow_logs, resolve_run_dir
+    from .run.control import follow_logs, resolve_run_dir
 
     try:
         follow_logs(resolve_run_dir(run), follow, lines, sys.stdout)
@@ -548,7 +549,7 @@ def stop(run, timeout_s):
 
     Example: lfa stop v100-32g
     """
-    from .run_control import resolve_run_dir, stop_run
+    from .run.control import resolve_run_dir, stop_run
 
     what, left = stop_run(resolve_run_dir(run), timeout_s)
     click.echo(f"{run}: {what}" + ("; processes of the trainer's group are still alive" if left else ""))
@@ -567,8 +568,8 @@ def report(run, out_dir):
 
     Example: lfa report runs/v100-32g
     """
-    from .report import summary_lines, write_report
-    from .run_control import resolve_run_dir
+    from .run.report import summary_lines, write_report
+    from .run.control import resolve_run_dir
 
     run_dir = resolve_run_dir(run)
     target = Path(out_dir) if out_dir else None
@@ -596,9 +597,10 @@ def demo(root, rows, max_steps):
     both overrides are written as comments into the recipe.
     """
     from .demo import build_demo_assets
-    from .recipe import GenerateRequest, generate as run_generate
-    from .render import write_recipe_dir
-    from .runs import Reporter, TrainRequest, finish_run, supervise
+    from .recipe.generate import GenerateRequest, generate as run_generate
+    from .recipe.render import write_recipe_dir
+    from .run.progress import Reporter
+    from .run.supervisor import TrainRequest, finish_run, supervise
 
     root_path = Path(root)
     model, data = build_demo_assets(root_path, rows)

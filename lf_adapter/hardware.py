@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError, templates_dir
+from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
 # Dense 16-bit tensor-core peak (TFLOP/s) by GPU name fragment; used when detecting a real card.
@@ -103,7 +103,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
 
 
 def builtin_profiles() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((templates_dir() / "hardware").glob("*.yaml"))}
+    return {p.stem: p for p in sorted((catalog_dir() / "hardware").glob("*.yaml"))}
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import yaml
 
-from . import templates_dir
+from . import catalog_dir
 from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
@@ -17,7 +17,7 @@ DEFAULT_HEADROOM = 0.12
 
 @lru_cache(maxsize=1)
 def coefficients() -> dict:
-    return yaml.safe_load((templates_dir() / "memory_model.yaml").read_text())
+    return yaml.safe_load((catalog_dir() / "memory_model.yaml").read_text())
 
 
 @dataclass
@@ -166,7 +166,7 @@ class HostMemory:
 def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib: float | None = None) -> HostMemory:
     """Peak host RAM per node: the larger of the loading phase (every rank without ZeRO-3 loads the whole model)
     and the training phase (DeepSpeed's offloaded states per rank), plus the launcher processes. Coefficients
-    measured on the H200 (templates/memory_model.yaml)."""
+    measured on the H200 (catalog/memory_model.yaml)."""
     c = coefficients()["host"]
     ranks = max(1, plan.world_size // max(1, plan.nodes))
     partition = model.num_params / plan.world_size

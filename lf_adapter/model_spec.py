@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError, templates_dir
+from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
 
@@ -69,7 +69,7 @@ CATALOG_KEYS = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads
 
 
 def catalog() -> dict[str, dict]:
-    data = yaml.safe_load((templates_dir() / "models" / "catalog.yaml").read_text())
+    data = yaml.safe_load((catalog_dir() / "models" / "catalog.yaml").read_text())
     raise_problems([p for name, shape in data.items() for p in unknown_keys(shape, CATALOG_KEYS, f"{name}: ")],
                    "models/catalog.yaml")
     return data

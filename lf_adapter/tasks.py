@@ -1,4 +1,4 @@
-"""Stage 2: task definitions (templates/tasks/*.yaml) as typed values."""
+"""Stage 2: task definitions (catalog/tasks/*.yaml) as typed values."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError, templates_dir
+from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
 
@@ -47,7 +47,7 @@ class TaskSpec:
 
 
 def task_files() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((templates_dir() / "tasks").glob("*.yaml"))}
+    return {p.stem: p for p in sorted((catalog_dir() / "tasks").glob("*.yaml"))}
 
 
 def load_task(name: str) -> TaskSpec:
@@ -72,4 +72,4 @@ def list_tasks() -> list[TaskSpec]:
 
 
 def chat_template_files() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((templates_dir() / "chat").glob("*.yaml"))}
+    return {p.stem: p for p in sorted((catalog_dir() / "chat").glob("*.yaml"))}

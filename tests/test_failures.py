@@ -3,9 +3,9 @@ from pathlib import Path
 import pytest
 
 from lf_adapter.hardware import load_profile
-from lf_adapter.monitor import LineReader, classify, parse_cuda_oom
+from lf_adapter.run.monitor import LineReader, classify, parse_cuda_oom
 from lf_adapter.plan import Plan
-from lf_adapter.remedies import Attempt, Context, next_remedy
+from lf_adapter.run.remedies import Attempt, Context, next_remedy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failures"
 
@@ -83,7 +83,7 @@ def test_line_reader_handles_carriage_returns_bad_bytes_and_huge_lines():
 
 
 def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_users(tmp_path):
-    from lf_adapter.runs import write_deepspeed_config
+    from lf_adapter.run.supervisor import write_deepspeed_config
 
     failure = classify((FIXTURES / "deepspeed_offload_client_optimizer.log").read_text().splitlines(), 1)
     attempt = Attempt(Plan("bf16", 4, 16, sharding="zero2", offload="optimizer"), env={"FORCE_TORCHRUN": "1"})
@@ -100,8 +100,8 @@ def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_u
 def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
     import yaml
 
-    from lf_adapter.recipe_file import load_recipe
-    from lf_adapter.runs import _resolved_text
+    from lf_adapter.recipe.read import load_recipe
+    from lf_adapter.run.supervisor import _resolved_text
 
     failure = classify((FIXTURES / "zero3_min_lr_scheduler_h200.log").read_text().splitlines(), 1)
     context = Context(load_profile("h200"), learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
@@ -160,7 +160,7 @@ def test_fragmentation_alone_only_when_the_model_says_the_plan_fits():
     """1.3B on the capped H200: the plan fits, and 1.63 GiB cached-but-free cannot serve 1.97 GiB asked -> replan;
     with 2.5 GiB cached-but-free it can -> expandable segments only."""
     from lf_adapter.model_spec import load_model_spec
-    from lf_adapter.monitor import Failure
+    from lf_adapter.run.monitor import Failure
 
     context = Context(hardware=load_profile("h200-capped-32g"), model=load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"))
     plan = Plan.from_label("fp16/mbs8xga8x1/gc/liger/sdpa")
@@ -188,13 +188,13 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     (tmp_path / "ds_z2_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     shutil.copy(FIXTURES / "cuda_oom_seed_v100.log", tmp_path / "nohup.out")
     profile = tmp_path / "v100-256g.yaml"
-    profile.write_text((Path(__file__).parents[1] / "templates" / "hardware" / "v100-32g.yaml").read_text()
+    profile.write_text((Path(__file__).parents[1] / "catalog" / "hardware" / "v100-32g.yaml").read_text()
                        .replace("ram_gib: 128", "ram_gib: 256"))
     result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["failure"]["kind"] == "cuda_oom" and "offload" in report["remedy"]["plan"]
-    from lf_adapter.recipe_file import load_recipe, plan_from_recipe
+    from lf_adapter.recipe.read import load_recipe, plan_from_recipe
 
     written = load_recipe(tmp_path / "train.next.yaml")
     plan = plan_from_recipe(written, load_profile(str(profile)))
@@ -216,7 +216,7 @@ def test_divergence_without_nan_is_seen_flat_at_uniform_or_rising(tmp_path):
     import json
     import math
 
-    from lf_adapter.monitor import TrainerLogWatcher
+    from lf_adapter.run.monitor import TrainerLogWatcher
 
     def watch(losses):
         log = tmp_path / "trainer_log.jsonl"

@@ -87,7 +87,7 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     text = re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text)
     recipe.write_text(re.sub(r"(?m)^fp16: false", "fp16: true", text))
     profile = tmp_path / "v100-256g.yaml"  # the seed's RAM is unknown: 128 GiB fits no 6.7B plan (test_failures)
-    profile.write_text((REPO / "templates" / "hardware" / "v100-32g.yaml").read_text()
+    profile.write_text((REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text()
                        .replace("ram_gib: 128", "ram_gib: 256"))
     result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "2", "--hardware", profile,
                      "--json", env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
@@ -225,7 +225,7 @@ def test_full_disks_give_one_message_and_a_ledger_that_says_so(cpu_recipe, tmp_p
 
     from lf_adapter.memory import checkpoint_gib
     from lf_adapter.plan import Plan
-    from lf_adapter.recipe_file import load_recipe, recipe_model_spec
+    from lf_adapter.recipe.read import load_recipe, recipe_model_spec
 
     recipe = cpu_recipe("max_steps=2")
     need_mib = checkpoint_gib(recipe_model_spec(load_recipe(recipe)), Plan("fp32", 1, 8)) * 1024

@@ -7,7 +7,7 @@ from conftest import REPO, run_lfa
 from lf_adapter.hardware import load_profile
 from lf_adapter.model_spec import count_params_meta, load_model_spec
 from lf_adapter.planner import PlanOptions, plan
-from lf_adapter.goldens import check_goldens
+from lf_adapter.recipe.goldens import check_goldens
 
 
 def test_precision_follows_compute_capability():

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import run_lfa
 
-from lf_adapter.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
-from lf_adapter.report import FIGURES, collect, draw_figures, summary_lines, write_report
+from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
+from lf_adapter.run.report import FIGURES, collect, draw_figures, summary_lines, write_report
 
 
 def _png_is_a_picture(path: Path) -> None:
@@ -76,7 +76,7 @@ def test_report_marks_attempts_failures_and_resume_points_and_embeds_every_plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from lf_adapter.report import _mark_attempts
+    from lf_adapter.run.report import _mark_attempts
 
     fig, ax = plt.subplots()
     _mark_attempts(ax, report)

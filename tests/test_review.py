@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, run_lfa
 from lf_adapter.plan import Plan
-from lf_adapter.render import render_deepspeed
+from lf_adapter.recipe.render import render_deepspeed
 
 LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_config.json (no optimizer section)
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -245,7 +245,7 @@ def test_relative_paths_resolve_where_llamafactory_runs(clean_recipe, tmp_path):
 def test_offload_over_host_ram_is_an_error(clean_recipe, tmp_path):
     """ZeRO-2 offload of the 6.7B model on a 64 GiB host: the optimizer states alone are larger than the RAM."""
     profile = tmp_path / "v100-64g-ram.yaml"
-    text = (REPO / "templates" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 64")
+    text = (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 64")
     profile.write_text(text)
     (clean_recipe.parent / "ds_z2_offload.json").write_text(render_deepspeed(
         Plan.from_label("fp16/mbs1xga64x1/gc/sdpa/zero2-offload-optimizer"))[1])

@@ -74,8 +74,9 @@ def test_a_misspelled_profile_key_is_an_error_naming_the_nearest_key_at_every_le
 
 
 def test_a_misspelled_ladder_step_or_catalog_key_is_found(monkeypatch, tmp_path):
-    from lf_adapter import model_spec, remedies
-    from lf_adapter.monitor import FailureClass
+    from lf_adapter import model_spec
+    from lf_adapter.run import remedies
+    from lf_adapter.run.monitor import FailureClass
 
     assert remedies.ladder_problems() == []
     typo = FailureClass("cuda_oom", True, (), ("fragmentation", "halve_micro_bach"))
@@ -84,6 +85,6 @@ def test_a_misspelled_ladder_step_or_catalog_key_is_found(monkeypatch, tmp_path)
         ["class cuda_oom: ladder step 'halve_micro_bach' is no action (did you mean 'halve_micro_batch'?)"]
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "catalog.yaml").write_text("org/m: {arch: llama, hiden_size: 64}\n")
-    monkeypatch.setattr(model_spec, "templates_dir", lambda: tmp_path)
+    monkeypatch.setattr(model_spec, "catalog_dir", lambda: tmp_path)
     with pytest.raises(UserError, match="'org/m: hiden_size' \\(did you mean 'org/m: hidden_size'\\?\\)"):
         model_spec.catalog()

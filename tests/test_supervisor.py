@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lf_adapter.runs import TrainRequest, attempt_loop, prepare, supervise
+from lf_adapter.run.supervisor import TrainRequest, attempt_loop, prepare, supervise
 
 OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
        "31.73 GiB of which 1.02 GiB is free.")

@@ -13,8 +13,8 @@ from lf_adapter.plan import Plan
 from lf_adapter.planner import PlanOptions, plan
 from lf_adapter.plugin.hooks import drop_right_padding_mask
 from lf_adapter.plugin.sampler import sorted_step_order
-from lf_adapter.recipe_file import parse_value
-from lf_adapter.render import render_deepspeed, yaml_scalar
+from lf_adapter.recipe.read import parse_value
+from lf_adapter.recipe.render import render_deepspeed, yaml_scalar
 
 
 def test_sorted_steps_keep_each_steps_rows_and_sort_inside_the_step():
@@ -112,8 +112,8 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
 
 def test_liger_never_meets_zero3_in_plans_or_retries():
     # liger's fused cross-entropy reads lm_head.weight directly; ZeRO-3 leaves it sharded (huggingface/trl#3368)
-    from lf_adapter.monitor import classify
-    from lf_adapter.remedies import Attempt, Context, next_remedy
+    from lf_adapter.run.monitor import classify
+    from lf_adapter.run.remedies import Attempt, Context, next_remedy
 
     for profile in ("a100-80g", "dgx-h100-80g", "a40x4", "cluster-2x8-h100"):
         result = plan(load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile(profile), 64, 2048)
@@ -141,7 +141,7 @@ def test_one_gpu_deepspeed_costs_what_the_h200_measured():
     # bench/README.md: one H200, 1.3B, same run: no DeepSpeed 43.7k tok/s, ZeRO-3 26.9k, ZeRO-3 full offload 19.6k;
     # 87.4 / 103.3 / 71.9 GiB reserved. The planner must rank them that way and size them near the measurements.
     from lf_adapter.memory import estimate
-    from lf_adapter.planner import predict_tokens_per_s
+    from lf_adapter.throughput import predict_tokens_per_s
     spec, h200 = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200")
     labels = ["bf16/mbs16xga4x1/nogc/liger/sdpa/sorted", "bf16/mbs16xga4x1/nogc/sdpa/zero3/sorted",
               "bf16/mbs64xga1x1/gc/sdpa/zero3-offload-all/sorted"]

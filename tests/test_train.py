@@ -62,7 +62,7 @@ def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe
     assert again.returncode == 0 and "not running" in again.stdout
 
 def test_progress_line_carries_step_loss_speed_eta_and_gpu_memory():
-    from lf_adapter.runs import _progress_text
+    from lf_adapter.run.progress import _progress_text
 
     text = _progress_text(2, {"step": 5, "total": 10, "loss": 1.23456, "lr": 3e-6, "tokens_per_s": 23511.4,
                               "eta": "0:01:02", "gpu_used_gib": 26.7})

@@ -11,7 +11,7 @@ from conftest import REPO
 
 
 def test_goldens_are_written_for_their_manifest_version_whatever_is_installed(monkeypatch):
-    from lf_adapter import goldens, recipe
+    from lf_adapter.recipe import generate as recipe, goldens
 
     real = recipe.installed_versions()
     for pretend in ("0.9.3", "0.9.4", "0.9.5.dev0", None):
@@ -24,7 +24,7 @@ def test_goldens_are_written_for_their_manifest_version_whatever_is_installed(mo
 
 
 def test_a_dev_build_counts_as_its_release_line():
-    from lf_adapter.review import _version_matches
+    from lf_adapter.review.lf_checks import _version_matches
 
     assert _version_matches("0.9.5.dev0", ">=0.9.5") and not _version_matches("0.9.5.dev0", "<=0.9.4")
     assert _version_matches("0.9.4.dev0", "<=0.9.4") and not _version_matches("0.9.4.dev0", ">=0.9.5")
@@ -64,7 +64,7 @@ def test_detect_reports_the_installed_stack_and_its_problems_as_notes():
 def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(demo_assets, tmp_path, monkeypatch):
     """The SK2Decompile fork defines `sk2decompile` in LLaMA-Factory itself: lfa must not replace it, and lfa's
     definition must produce the same tokens, so recipes behave the same on the fork and on stock LLaMA-Factory."""
-    from lf_adapter import templates_dir
+    from lf_adapter import catalog_dir
     from lf_adapter.plugin import hooks
     from llamafactory.data import template as lf_template
     from llamafactory.data.formatter import StringFormatter
@@ -80,7 +80,7 @@ def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(d
         assert "sk2decompile" not in hooks.register_chat_templates(lf_template)
         assert lf_template.TEMPLATES["sk2decompile"] is forks
         # lfa's own definition, registered under another name for the comparison
-        spec = yaml.safe_load((templates_dir() / "chat" / "sk2decompile.yaml").read_text())
+        spec = yaml.safe_load((catalog_dir() / "chat" / "sk2decompile.yaml").read_text())
         (tmp_path / "chat").mkdir()
         (tmp_path / "chat" / "check.yaml").write_text(yaml.safe_dump({**spec, "name": "sk2decompile_lfa_check"}))
         monkeypatch.setenv("LFA_CHAT_TEMPLATE_DIRS", str(tmp_path / "chat"))

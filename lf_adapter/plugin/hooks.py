@@ -38,14 +38,14 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 
 
 def chat_template_dirs() -> list[Path]:
-    from lf_adapter import templates_dir
+    from lf_adapter import catalog_dir
 
     extra = [Path(p) for p in os.environ.get("LFA_CHAT_TEMPLATE_DIRS", "").split(os.pathsep) if p]
-    return extra + [templates_dir() / "chat"]
+    return extra + [catalog_dir() / "chat"]
 
 
 def register_chat_templates(template_module) -> list[str]:
-    """Register every lfa chat template (templates/chat/*.yaml) that LLaMA-Factory does not already have."""
+    """Register every lfa chat template (catalog/chat/*.yaml) that LLaMA-Factory does not already have."""
     import yaml
     from llamafactory.data.formatter import StringFormatter
 

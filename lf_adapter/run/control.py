@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import UserError
-from .launch import alive, group_alive
+from .. import UserError
+from .process import alive, group_alive
 from .ledger import FINAL_STATES as FINAL, read_ledger, write_ledger
 from .monitor import FileFollower, fold_event
 

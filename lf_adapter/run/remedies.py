@@ -7,14 +7,14 @@ import difflib
 import os
 from dataclasses import dataclass, field
 
-from .hardware import HardwareProfile
-from .memory import estimate, fit_activation_scale
-from .model_spec import ModelSpec
+from ..hardware import HardwareProfile
+from ..memory import estimate, fit_activation_scale
+from ..model_spec import ModelSpec
 from .monitor import Failure, failure_class, failure_classes
-from .plan import Plan
-from .strategy import violated
-from .planner import EXPANDABLE_SEGMENTS as EXPANDABLE
-from .planner import NoPlanFits, PlanOptions, plan
+from ..plan import Plan
+from ..strategy import violated
+from ..planner import EXPANDABLE_SEGMENTS as EXPANDABLE
+from ..planner import NoPlanFits, PlanOptions, plan
 
 FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, not real shortage
 

@@ -5,9 +5,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import UserError
-from .lf_keys import precision_from_keys
-from .recipe_file import Recipe, deepspeed_setup
+from .. import UserError
+from .keys import precision_from_keys
+from .read import Recipe, deepspeed_setup
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",

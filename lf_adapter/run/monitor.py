@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from . import templates_dir
-from .schema import raise_problems, unknown_keys
+from .. import catalog_dir
+from ..schema import raise_problems, unknown_keys
 
 MAX_LINE = 4000  # huge lines (a dumped tensor, a base64 blob) are cut, not buffered without bound
 NONFINITE_LOGS_TO_STOP = 3
@@ -50,7 +50,7 @@ class Failure:
 
 @lru_cache(maxsize=1)
 def failure_classes() -> tuple[FailureClass, ...]:
-    data = yaml.safe_load((templates_dir() / "failures" / "classes.yaml").read_text())
+    data = yaml.safe_load((catalog_dir() / "failures" / "classes.yaml").read_text())
     raise_problems([p for d in data for p in unknown_keys(d, ("name", "retriable", "patterns", "ladder", "advice"),
                                                           f"{d.get('name', '?')}.")], "failures/classes.yaml")
     return tuple(FailureClass(d["name"], bool(d["retriable"]), tuple(re.compile(p, re.M) for p in d["patterns"]),

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError
-from .data import DatasetProfile, profile_dataset
-from .hardware import HardwareProfile, installed_versions, load_profile
-from .model_spec import ModelSpec, load_model_spec
-from .memory import host_memory
-from .plan import LF_FLASH_ATTN
-from .strategy import Sharding
-from .planner import PlanOptions, PlanResult, plan
-from .recipe_file import load_recipe, parse_value
+from .. import UserError
+from ..data import DatasetProfile, profile_dataset
+from ..hardware import HardwareProfile, installed_versions, load_profile
+from ..model_spec import ModelSpec, load_model_spec
+from ..memory import host_memory
+from ..plan import LF_FLASH_ATTN
+from ..strategy import Sharding
+from ..planner import PlanOptions, PlanResult, plan
+from .read import load_recipe, parse_value
 from .render import RecipeInputs, relative_to_dir, render_recipe
-from .tasks import TaskSpec, load_task
+from ..tasks import TaskSpec, load_task
 
 LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
 TASK_HYPERPARAMETERS = {"cutoff_len", "learning_rate", "num_train_epochs", "lr_scheduler_type", "min_lr",

@@ -6,13 +6,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import UserError
-from .launch import launch_env
+from .. import UserError
+from .process import launch_env
 from .monitor import Failure, LineReader, classify, failure_classes
-from .recipe_file import Recipe, load_recipe, plan_from_recipe, recipe_hardware
+from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Remedy, next_remedy
-from .lf_keys import plan_keys
-from .runs import _resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
+from ..recipe.keys import plan_keys
+from .supervisor import _resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
 
 
 @dataclass

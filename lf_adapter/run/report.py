@@ -12,8 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import UserError
-from .launch import alive
+from .. import UserError
+from .process import alive
 from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
 
 FIGURES = ("loss", "throughput", "memory", "gpu", "lr")
@@ -122,8 +122,8 @@ def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int,
 
 def _recipe_diff(ledger: RunLedger) -> tuple[str | None, Path | None, Path | None, list[str]]:
     """The semantic diff between the recipe as the first and as the last attempt ran it; output_dir; TB folder."""
-    from .recipe_diff import format_diff, semantic_diff, semantic_view
-    from .recipe_file import Recipe, load_recipe
+    from ..recipe.diff import format_diff, semantic_diff, semantic_view
+    from ..recipe.read import Recipe, load_recipe
 
     first, last = (ledger.attempts[0], ledger.attempts[-1]) if len(ledger.attempts) > 1 else (None, None)
     try:
@@ -424,7 +424,6 @@ def communication_note(report: RunReport) -> str:
 
 
 def render_html(report: RunReport, figures: dict[str, Path]) -> str:
-    h = headline(report)
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lfa run {esc(report.name)}</title>",
              "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"

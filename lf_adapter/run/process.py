@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import Plan
-from .plugin import boot_dir
+from ..plan import Plan
+from ..plugin import boot_dir
 
 ACCELERATE_FSDP2_FILE = "accelerate_fsdp2.yaml"  # beside the recipe; FSDP2 plans start with it
 

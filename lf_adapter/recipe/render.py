@@ -9,12 +9,12 @@ from pathlib import Path
 
 import jinja2
 
-from . import UserError, __version__, templates_dir
-from .hardware import HardwareProfile
-from .launch import ACCELERATE_FSDP2_FILE, launch_env
-from .lf_keys import deepspeed_file_name, plan_keys
-from .plan import Plan
-from .tasks import TaskSpec, chat_template_files
+from .. import UserError, __version__, templates_dir
+from ..hardware import HardwareProfile
+from ..run.process import ACCELERATE_FSDP2_FILE, launch_env
+from .keys import deepspeed_file_name, plan_keys
+from ..plan import Plan
+from ..tasks import TaskSpec, chat_template_files
 
 
 def yaml_float(value) -> str:

@@ -4,8 +4,8 @@ plan_from_keys(). The DeepSpeed JSON and the accelerate config are files beside 
 here, their contents from render.py, and reading a DeepSpeed JSON back from recipe_file.deepspeed_setup()."""
 from __future__ import annotations
 
-from .hardware import HardwareProfile
-from .plan import ATTENTION_FROM_LF, Plan
+from ..hardware import HardwareProfile
+from ..plan import ATTENTION_FROM_LF, Plan
 
 
 def truthy(value) -> bool:

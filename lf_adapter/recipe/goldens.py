@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError
-from .recipe import GenerateRequest, generate
+from .. import UserError
+from .generate import GenerateRequest, generate
 
 
 # golden recipes are written for this LLaMA-Factory unless their manifest entry names another (`llamafactory:`),

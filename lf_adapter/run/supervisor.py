@@ -15,22 +15,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from . import UserError
-from .hardware import GpuMemoryProbe, HardwareProfile, installed_versions
+from .. import UserError
+from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
-from .memory import checkpoint_gib
-from .model_spec import ModelSpec, load_model_spec
-from .launch import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
+from ..memory import checkpoint_gib
+from ..model_spec import ModelSpec, load_model_spec
+from .process import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
+from .progress import Reporter
 from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
-from .plan import Plan
-from .planner import predict, speed_basis
-from .recipe_file import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
+from ..plan import Plan
+from ..planner import predict
+from ..throughput import speed_basis
+from ..recipe.read import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
-from .lf_keys import plan_keys
-from .render import render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
+from ..recipe.keys import plan_keys
+from ..recipe.render import render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
 LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
@@ -128,65 +128,6 @@ def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | No
 
 def _hash(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-class Reporter:
-    """Events for people (a live progress line on a terminal, plain lines otherwise) or machines (--json)."""
-
-    def __init__(self, json_events: bool, live: bool | None = None):
-        self.json_events = json_events
-        self.live = (not json_events and sys.stdout.isatty()) if live is None else live
-        self._live = None
-
-    def event(self, event_name: str, text: str, **data) -> None:
-        if self.json_events:
-            click.echo(json.dumps({"event": event_name, **data}, default=str))
-        elif self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False)
-        else:
-            click.echo(text, err=event_name in ("failure", "remedy", "error"))
-
-    def progress(self, n: int, state: dict, record: dict | None) -> None:
-        """record: a new trainer_log.jsonl line (plain and JSON output report those only); the live line
-        also moves with every optimizer step and GPU memory reading."""
-        if self.json_events or not self.live:
-            if record is not None:
-                self.event("progress", _progress_text(n, state), attempt=n, **record,
-                           **{k: v for k, v in state.items() if k not in record})
-            return
-        from rich.live import Live
-        from rich.text import Text
-
-        if self._live is None:
-            self._live = Live(Text(""), refresh_per_second=4, transient=False)
-            self._live.start()
-        self._live.update(Text(_progress_text(n, state)))
-
-    def end_progress(self) -> None:
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
-
-
-def _progress_text(n: int, state: dict) -> str:
-    step, total = state.get("step"), state.get("total")
-    parts = [f"[attempt {n}] step {step if step is not None else '-'}/{total or '-'}"]
-    if total and step is not None:
-        filled = int(20 * min(step, total) / total)
-        parts[0] += " [" + "#" * filled + "." * (20 - filled) + "]"
-    if state.get("loss") is not None:
-        parts.append(f"loss {state['loss']:.4f}")
-    if state.get("lr") is not None:
-        parts.append(f"lr {state['lr']:.2e}")
-    if state.get("tokens_per_s"):
-        parts.append(f"{state['tokens_per_s']:,.0f} tok/s")
-    if state.get("eta"):
-        parts.append(f"ETA {state['eta']}")
-    if state.get("gpu_used_gib") is not None:
-        parts.append(f"GPU {state['gpu_used_gib']:.1f} GiB (NVML)")
-    elif state.get("gpu_reserved_gib"):
-        parts.append(f"GPU {state['gpu_reserved_gib']:.1f} GiB reserved")
-    return "  ".join(parts)
 
 
 def _read_events(events_follower: FileFollower, reader: LineReader, state: dict) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from . import UserError
+from .. import UserError
 
 RunState = Literal["new", "starting", "running", "succeeded", "failed", "stopped"]
 AttemptState = Literal["succeeded", "failed", "stopped", "supervisor died"]

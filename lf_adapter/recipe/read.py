@@ -8,11 +8,11 @@ from pathlib import Path
 
 import yaml
 
-from . import UserError
-from .hardware import HardwareProfile, load_profile, profile_from_dict
-from .model_spec import ModelSpec, load_model_spec
-from .lf_keys import plan_from_keys
-from .plan import Plan
+from .. import UserError
+from ..hardware import HardwareProfile, load_profile, profile_from_dict
+from ..model_spec import ModelSpec, load_model_spec
+from .keys import plan_from_keys
+from ..plan import Plan
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""What a recipe will do on its hardware: plan, memory against the budget, host RAM, speed and wall time."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..hardware import HardwareProfile
+from ..model_spec import ModelSpec
+from ..plan import Plan
+from ..planner import predict
+from ..throughput import speed_basis
+from ..recipe.read import Recipe
+
+
+@dataclass
+
+
+class ReviewSummary:
+    """What a recipe will do on its hardware; None where lfa cannot know (no model shape, no GPU, no dataset)."""
+    hardware: str
+    plan: str
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    gpus: int
+    effective_batch: int
+    deepspeed: str
+    gradient_checkpointing: bool
+    tokens_per_step: int
+    note: str | None = None
+    model: str | None = None
+    memory_gib: dict[str, float] | None = None
+    reserved_gib: float | None = None
+    budget_gib: float | None = None
+    fits: bool | None = None
+    host_gib: float | None = None
+    host_ram_gib: float | None = None
+    predicted_tokens_per_s: int | None = None
+    speed_basis: str | None = None
+    dataset_rows: int | None = None
+    predicted_wall_time_s: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None,
+              workdir: Path | None = None) -> ReviewSummary:
+    d = recipe.data
+    cutoff = int(d.get("cutoff_len", 2048))
+    fraction = 1.0 if plan.packing else float(recipe.meta.get("mean_seq_fraction", 0.75))
+    summary = ReviewSummary(
+        hardware=hardware.name, plan=plan.label(), precision=plan.precision, micro_batch=plan.micro_batch_size,
+        grad_accum=plan.grad_accum, gpus=plan.world_size, effective_batch=plan.effective_batch_size,
+        deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
+        if plan.deepspeed else "none", gradient_checkpointing=plan.gradient_checkpointing,
+        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction))
+    if spec is None:
+        summary.note = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
+        return summary
+    summary.model = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
+    predicted = predict(spec, plan, hardware, cutoff, fraction)
+    if hardware.has_gpu:
+        summary.memory_gib = {k: round(v, 2) for k, v in predicted.memory.items.items()}
+        summary.reserved_gib = round(predicted.memory.reserved_gib, 2)
+        summary.budget_gib = hardware.gpu.vram_gib
+        summary.fits = predicted.memory.fits
+    summary.host_gib = round(predicted.host.total_gib, 1)
+    summary.host_ram_gib = predicted.host.ram_gib
+    tokens_per_s = predicted.tokens_per_s
+    summary.predicted_tokens_per_s = round(tokens_per_s)
+    summary.speed_basis = speed_basis(hardware, plan)
+    rows = _dataset_rows(recipe, workdir or recipe.folder)
+    if rows:
+        epochs = float(d.get("num_train_epochs", 3.0))
+        total = rows * epochs * cutoff * fraction
+        if d.get("max_steps") and int(d["max_steps"]) > 0:
+            total = min(total, int(d["max_steps"]) * summary.tokens_per_step)
+        summary.dataset_rows = rows
+        summary.predicted_wall_time_s = round(total / tokens_per_s)
+    return summary
+
+
+def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
+    if recipe.meta.get("dataset_rows"):
+        return int(recipe.meta["dataset_rows"])
+    try:
+        dataset_dir = workdir / str(recipe.data.get("dataset_dir", "data"))
+        info = json.loads((dataset_dir / "dataset_info.json").read_text())
+        entry = info[str(recipe.data["dataset"]).split(",")[0].strip()]
+        with (dataset_dir / entry["file_name"]).open(encoding="utf-8") as fh:
+            return sum(1 for line in fh if line.strip())
+    except (OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError):
+        return None

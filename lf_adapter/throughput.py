@@ -1,0 +1,97 @@
+"""The throughput model: predicted non-pad tokens per second of a plan on a machine (coefficients in
+catalog/memory_model.yaml, fitted in bench/README.md), and what a prediction rests on."""
+from __future__ import annotations
+
+from .hardware import HardwareProfile
+from .memory import coefficients
+from .model_spec import ModelSpec
+from .plan import Plan
+
+
+def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
+                         mean_seq_fraction: float) -> float:
+    """Throughput model (coefficients in catalog/memory_model.yaml, fitted in bench/README.md): the CPU launches
+    a micro-batch's kernels while the GPU runs the previous ones, so a micro-batch takes the longer of the two;
+    then the optimizer step, DeepSpeed offload and gradient exchange once per step."""
+    t = coefficients()["throughput"]
+    fill = 0.98 if plan.packing else mean_seq_fraction
+    # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
+    # the step's rows were sorted by length so that each micro-batch holds rows of similar length
+    if plan.packing or plan.micro_batch_size == 1:
+        padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction
+    elif plan.sorted_steps:
+        padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
+    else:
+        padded_len = seq_len
+    real_tokens = plan.micro_batch_size * seq_len * fill
+    flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len)
+    if plan.gradient_checkpointing:
+        flops *= 4.0 / 3.0  # one more forward pass per layer
+    if not hardware.has_gpu:
+        return real_tokens / (flops / t["cpu_flops"])
+    gpu = hardware.gpu
+    rate = gpu.peak_tflops_16bit * 1e12 * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
+    if not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
+        rate *= t["variable_shape_efficiency"]
+    if plan.gradient_checkpointing:
+        rate *= t["checkpointing_gpu_efficiency"]
+    if not plan.liger and plan.precision != "fp32":
+        rate *= t["no_liger_gpu_efficiency"]
+    gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
+    cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"]
+                                                          if plan.gradient_checkpointing else 1.0)
+    zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
+    if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather
+        # FSDP2 uses ZeRO-3's measured hook cost until it is measured itself (speed_basis says so)
+        zero3_fetch_s += t["zero3_hook_s_per_layer"] * model.num_layers
+    if plan.shards_parameters and plan.offload == "all":
+        zero3_fetch_s += 2 * 2.0 * model.num_params / host_link_bytes_per_s(hardware)
+    elif plan.shards_parameters and plan.world_size > 1:
+        zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
+    step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
+    partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
+    step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    if plan.offload != "none":  # CPU Adam over the partition; 16-bit gradients down and parameters back up
+        link = host_link_bytes_per_s(hardware)
+        step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / link
+        if plan.deepspeed != "zero3" and plan.grad_accum > 1:
+            # ZeRO-1/2 offload accumulates in pinned host buffers: after the first micro-batch each one copies the
+            # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
+            # async_accumulate_grad_in_cpu_via_gpu)
+            step_s += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
+        elif plan.deepspeed == "zero3" and plan.grad_accum > 1:
+            # ZeRO-3 offload adds every micro-batch's gradient partition into the fp32 host copy (a CPU pass)
+            step_s += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
+    if plan.world_size > 1:
+        step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
+    return real_tokens * plan.grad_accum * plan.world_size / step_s
+
+
+def _link_bytes_per_s(hardware: HardwareProfile) -> float:
+    t = coefficients()["throughput"]
+    return t["nvlink_bytes_per_s"] if hardware.interconnect == "nvlink" else t["pcie_bytes_per_s"]
+
+
+def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
+    """GPU <-> host copies (offload): the profile's PCIe rate times the share pinned copies reach, else the
+    coefficient fitted on the H200."""
+    t = coefficients()["throughput"]
+    gbs = hardware.gpu.host_link_gbs if hardware.gpu else 0.0
+    return gbs * 1e9 * t["host_link_efficiency"] if gbs else t["pcie_bytes_per_s"]
+
+
+def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
+    """What a speed and wall-time prediction rests on: the throughput model was fitted on H200 runs only."""
+    if not hardware.has_gpu:
+        return "CPU: a rough FLOP rate, not measured"
+    gpu = hardware.gpu
+    basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
+             f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
+    if plan.offload != "none":
+        basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
+    if plan.sharding == "fsdp2":
+        basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
+    if "H200" in gpu.name:
+        return "throughput model fitted on H200 runs (bench/README.md), in-sample within 5%" + (
+            "; FSDP2 priced as ZeRO-3 (not measured)" if plan.sharding == "fsdp2" else "")
+    return basis + "; not measured on this GPU"
