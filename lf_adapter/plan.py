@@ -28,6 +28,7 @@ class Plan:
     sharding: str = "none"  # strategy.Sharding: none (one process) | ddp | zero1 | zero2 | zero3 | fsdp2
     offload: str = "none"  # strategy.Offload: none | optimizer | all
     packing: bool = False
+    padding_free: bool = False  # each micro-batch's rows flattened, attention per row (lfa plugin, LFA_PADDING_FREE)
     sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)
@@ -90,6 +91,7 @@ class Plan:
         return cls(precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
                    gradient_checkpointing=parts[2] == "gc", liger="liger" in parts, attention=attention,
                    sharding=sharding or "none", offload=offload or "none", packing="packing" in parts,
+                   padding_free="padfree" in parts,
                    sorted_steps="sorted" in parts, launcher="ray" if "ray" in parts else "torchrun", **fields)
 
     def label(self) -> str:
@@ -102,6 +104,8 @@ class Plan:
             parts.append(self.sharding + ("" if self.offload == "none" else f"-offload-{self.offload}"))
         if self.packing:
             parts.append("packing")
+        if self.padding_free:
+            parts.append("padfree")
         if self.sorted_steps:
             parts.append("sorted")
         if self.launcher == "ray":

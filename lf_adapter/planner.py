@@ -83,6 +83,8 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     liger = [False] if on_cpu or not options.liger_available else [True, False]
     attention = ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     packing = [True, False] if options.allow_packing else [False]
+    # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
+    padding_free = [True] if options.fixed.get("padding_free") else [False]
     if options.fixed.get("sharding") == "fsdp2":  # only when pinned: FSDP2's speed is not measured yet
         ds = [("fsdp2", "none")]
     elif on_cpu or not options.allow_deepspeed:
@@ -92,12 +94,12 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     else:
         ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
               ("zero3", "all")]
-    for mbs, gc, lg, attn, (stage, offload), pack in itertools.product(
-            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing):
+    for mbs, gc, lg, attn, (stage, offload), pack, pf in itertools.product(
+            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free):
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
                     world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
                     attention=attn, sharding=stage or "none", offload=offload, packing=pack,
-                    sorted_steps=options.sort_steps and mbs > 1 and not pack,
+                    padding_free=pf, sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
                     alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
                     launcher=options.launcher)
         if violations(plan):  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
@@ -257,6 +259,10 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       if p.sharding == "fsdp2" else
                       ("none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
                        if p.world_size == 1 else "none: DDP, every GPU holds the model state")),
+        "padding_free": ("on (pinned): each micro-batch's rows are flattened into one sequence with position ids "
+                         "restarting per row and attention limited to each row, so no compute goes to padding and "
+                         "the step trains on exactly the same rows and tokens; speed not measured yet"
+                         if p.padding_free else "off"),
         "packing": ("on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
                     "padding (changes what a batch is: rows per step grow)" if p.packing else
                     "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"),

@@ -17,8 +17,8 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     fill = 0.98 if plan.packing else mean_seq_fraction
     # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
     # the step's rows were sorted by length so that each micro-batch holds rows of similar length
-    if plan.packing or plan.micro_batch_size == 1:
-        padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction
+    if plan.packing or plan.micro_batch_size == 1 or plan.padding_free:
+        padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction  # padding-free: no padding at all
     elif plan.sorted_steps:
         padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
     else:

@@ -30,6 +30,9 @@ def test_the_constraints_table_is_the_one_rule_for_planner_remedies_and_review(t
     assert {c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, sharding="fsdp2", offload="optimizer"))} >= \
         {"offload_needs_deepspeed"}
     assert {c.rule for c in violations(Plan("bf16", 1, 8, sharding="fsdp2"))} == {"fsdp2_on_one_process"}
+    assert {c.rule for c in violations(Plan("bf16", 2, 4, packing=True, padding_free=True))} == \
+        {"padding_free_with_packing"}
+    assert Plan.from_label(Plan("bf16", 2, 4, padding_free=True).label()).padding_free
     # the planner never proposes a plan the table forbids
     from lf_adapter.hardware import load_profile
     from lf_adapter.model_spec import load_model_spec

@@ -30,15 +30,17 @@ def record_step_batches(batch_samples) -> None:
     """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
     (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
     collator left where it dropped the padding mask, before the model sees the batch."""
-    counts = []
+    counts, flat = [], 0
     for batch in batch_samples:
         if not isinstance(batch, Mapping):
             continue
+        flat += "cu_seq_lens_q" in batch  # flattened by the padding-free collator
         if "lfa_nonpad_tokens" in batch:
             counts.append(batch.pop("lfa_nonpad_tokens"))
         elif batch.get("attention_mask") is not None and batch["attention_mask"].dim() == 2:
             counts.append((batch["attention_mask"] > 0).sum())
     _STEP_TOKENS["value"] = sum(counts) if counts else None
+    _STEP_TOKENS["flat_micro_batches"] = flat
 
 
 def _cuda():
@@ -122,7 +124,8 @@ class EventsCallback(TrainerCallback):
         tokens = None if tokens is None else int(tokens) * max(1, args.world_size)
         now = time.time()
         self._emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
-                   step_time_s=round(now - self.last, 4), step_tokens=tokens)
+                   step_time_s=round(now - self.last, 4), step_tokens=tokens,
+                   flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0))
         self.last = now
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -82,8 +82,10 @@ def _wrap_run_exp(tuner_module) -> None:
 
 
 def _patch_sft_trainer(trainer_module) -> None:
-    """Length-sorted steps (LFA_SORTED_STEPS=1) and per-step token counts for lfa's events."""
+    """Length-sorted steps (LFA_SORTED_STEPS=1), padding-free attention (LFA_PADDING_FREE=1) and per-step token
+    counts for lfa's events."""
     from lf_adapter.plugin import callbacks as lfa_callbacks
+    from lf_adapter.plugin import padding_free
     from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
@@ -107,6 +109,14 @@ def _patch_sft_trainer(trainer_module) -> None:
         lfa_callbacks.record_step_batches(batch_samples)
         return batch_samples, num_items
 
+    original_init = trainer_class.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if os.environ.get("LFA_PADDING_FREE") == "1":  # the collator flattens rows; attention keeps them apart
+            padding_free.use_on(self.model)
+
+    trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
     trainer_class.get_batch_samples = get_batch_samples
     if os.environ.get("LFA_BENCH_SKIP_FINAL_SAVE") == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
@@ -140,13 +150,20 @@ def drop_right_padding_mask(batch) -> bool:
 
 
 def _patch_collator(collator_module) -> None:
+    from lf_adapter.plugin import padding_free
+
     collator_class = collator_module.SFTDataCollatorWith4DAttentionMask
     original_call = collator_class.__call__
 
     def __call__(self, features):
         batch = original_call(self, features)
-        if os.environ.get("LFA_DROP_PADDING_MASK") == "1" and not self.block_diag_attn:
-            drop_right_padding_mask(batch)  # runs in the data workers, on the CPU: no GPU sync
+        if self.block_diag_attn:  # LLaMA-Factory's neat_packing: its own mask
+            return batch
+        # both run in the data workers, on the CPU: no GPU sync
+        if os.environ.get("LFA_PADDING_FREE") == "1" and padding_free.flatten_batch(batch):
+            return batch
+        if os.environ.get("LFA_DROP_PADDING_MASK") == "1":
+            drop_right_padding_mask(batch)
         return batch
 
     collator_class.__call__ = __call__

@@ -70,7 +70,7 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
 
 
 PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bool, "attention": str,
-            "deepspeed": str, "sharding": str, "offload": str, "alloc_conf": str}
+            "deepspeed": str, "sharding": str, "offload": str, "alloc_conf": str, "padding_free": bool}
 
 
 # what each task hyper-parameter must be; (type, lowest allowed value)

@@ -52,6 +52,7 @@ def plan_from_keys(data: dict, meta: dict, hardware: HardwareProfile, deepspeed:
         attention=ATTENTION_FROM_LF.get(flash_attn, flash_attn),
         sharding=stage or ("fsdp2" if meta.get("sharding") == "fsdp2" else "none"), offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
+        padding_free=bool(meta.get("padding_free", False)),
         sorted_steps=bool(meta.get("sorted_steps", False)), alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
     )

@@ -110,6 +110,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
             "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf,
             "launcher": plan.launcher, "llamafactory_version": inputs.llamafactory_version, **inputs.meta}
+    if plan.padding_free:  # lfa's plugin, not a LLaMA-Factory key: the header says so
+        meta["padding_free"] = True
     if plan.sharding == "fsdp2":  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)

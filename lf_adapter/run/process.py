@@ -61,6 +61,9 @@ def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr:
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
     env.append(LaunchEnv("LFA_DROP_PADDING_MASK", "1", "lfa plugin: right-padded batches train without a padding mask "
                                                         "(exact under causal attention; SDPA keeps its flash kernel)"))
+    if plan.padding_free:
+        env.append(LaunchEnv("LFA_PADDING_FREE", "1", "lfa plugin: each micro-batch's rows flattened into one sequence, "
+                                                       "attention kept per row (no compute on padding, exact)"))
     if plan.sorted_steps:
         env.append(LaunchEnv("LFA_SORTED_STEPS", "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
                                                        "step (same rows per step, less padding)"))

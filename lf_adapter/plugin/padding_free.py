@@ -1,0 +1,123 @@
+"""Padding-free training that keeps every row separate (LFA_PADDING_FREE=1).
+
+Each micro-batch's rows are flattened into one sequence: no compute goes to padding in the linear layers, norms
+and loss. Rows never see each other: position ids restart at 0 for every row, attention is limited to each row
+through the sequence boundaries (cu_seq_lens, the varlen convention of flash-attn and transformers' flattening
+collator), and the label of a row's first token is -100 so that no prediction crosses a row boundary. The loss is
+the same sum over the same tokens, normalized by the step's token count as before, so a step's gradient equals
+the padded step's (tests/test_padding_free.py checks it on CPU).
+
+Attention runs through transformers' AttentionInterface under the name `lfa_varlen`: torch's own varlen flash
+attention on CUDA (torch >= 2.10, no extra package), and on the CPU a reference path of one causal SDPA call per row.
+"""
+from __future__ import annotations
+
+import inspect
+
+ATTENTION_NAME = "lfa_varlen"
+TEXT_KEYS = {"input_ids", "attention_mask", "labels"}
+
+
+def flatten_batch(batch) -> bool:
+    """Flatten a right-padded text batch in place: [B, L] -> [1, sum of row lengths]. False (batch unchanged)
+    when it is not one (4D masks, packed rows, other keys)."""
+    import torch
+
+    mask = batch.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or not set(batch.keys()) <= TEXT_KEYS or "labels" not in batch:
+        return False
+    if mask.size(1) > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # not ones-then-zeros in every row
+        return False
+    lengths = mask.sum(dim=1)
+    lengths = lengths[lengths > 0]
+    keep = mask.bool()
+    labels = batch["labels"][keep].clone()
+    ends = torch.cumsum(lengths, dim=0)
+    starts = ends - lengths
+    labels[starts] = -100  # the previous row's last token must not be trained to predict this row's first
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = ends.to(torch.int32)
+    batch["input_ids"] = batch["input_ids"][keep].unsqueeze(0)
+    batch["labels"] = labels.unsqueeze(0)
+    batch["position_ids"] = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0)
+    batch["attention_mask"] = None
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+    batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
+    batch["lfa_nonpad_tokens"] = lengths.sum()
+    return True
+
+
+def _repeat_kv(x, groups: int):
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)  # [kv_heads, T, D] -> [heads, T, D]
+
+
+def _rows_reference(query, key, value, cu, scaling):
+    """One causal SDPA call per row ([H, n, D] each): the exact reference, and the CPU path."""
+    import torch
+    import torch.nn.functional as F
+
+    outputs = []
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        outputs.append(F.scaled_dot_product_attention(query[:, start:end], key[:, start:end], value[:, start:end],
+                                                      is_causal=True, scale=scaling))
+    return torch.cat(outputs, dim=1)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers' attention signature: query/key/value [1, heads, tokens, dim] of one flattened micro-batch;
+    returns ([1, tokens, heads, dim], None). Without sequence boundaries (generation, eval) it is plain SDPA."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    groups = query.size(1) // key.size(1)
+    q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
+    if q.is_cuda and _torch_varlen() is not None:
+        varlen, has_window = _torch_varlen()
+        extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
+        out = varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu,
+                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scaling, **extra)  # [T, H, D]
+        return out.unsqueeze(0), None
+    out = _rows_reference(q, k, v, cu, scaling)  # [H, T, D]
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+_VARLEN: dict = {}
+
+
+def _torch_varlen():
+    """(torch.nn.attention.varlen.varlen_attn, whether it takes window_size) or None before torch 2.10."""
+    if "fn" not in _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            _VARLEN["fn"] = (varlen_attn, "window_size" in inspect.signature(varlen_attn).parameters)
+        except ImportError:
+            _VARLEN["fn"] = None
+    return _VARLEN["fn"]
+
+
+def no_mask(*args, **kwargs):
+    """The mask interface for lfa_varlen: rows are kept apart by the sequence boundaries, not by a mask."""
+    return None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, no_mask)
+
+
+def use_on(model) -> None:
+    """Route the model's attention through lfa_varlen (its config and sub-configs)."""
+    register()
+    model.config._attn_implementation = ATTENTION_NAME
+    kernel = "torch's varlen flash attention on CUDA" if _torch_varlen() is not None else "no varlen kernel in this torch"
+    print(f"lfa: padding-free: each micro-batch's rows flattened into one sequence, attention kept per row "
+          f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row on the CPU)", flush=True)
