@@ -73,7 +73,10 @@ def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_gpu and per_gpu % m == 0]
 
 
-def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions):
+def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions,
+                    forbidden: set[str] | None = None):
+    """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
+    pins are added to `forbidden` (their why), for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
     if effective_batch % world:
@@ -102,12 +105,16 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
                     padding_free=pf, sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
                     alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
                     launcher=options.launcher)
-        if violations(plan):  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
-            continue
         fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
                                      if "sharding" in options.fixed else {})}
-        if all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
-            yield plan
+        if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
+            continue
+        broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
+        if broken:
+            if forbidden is not None:
+                forbidden.update(f"{c.rule}: {c.why}" for c in broken)
+            continue
+        yield plan
 
 
 NEAR_TIE = 0.05  # predictions closer than this are within the throughput model's error (bench/README.md)
@@ -146,8 +153,8 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
         vram = options.vram_gib or hardware.gpu.vram_gib
     else:
         vram = hardware.ram_gib or None  # on CPU, host RAM
-    seen, candidates = set(), []
-    for p in candidate_plans(model, hardware, effective_batch, options):
+    seen, candidates, forbidden = set(), [], set()
+    for p in candidate_plans(model, hardware, effective_batch, options, forbidden):
         if p in seen:
             continue
         seen.add(p)
@@ -156,7 +163,8 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
                                     host_memory(model, p, hardware, options.ram_gib)))
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
-        raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})")
+        raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})" +
+                        "".join(f"; {why}" for why in sorted(forbidden)))
     below = options.below_reserved_gib
     fitting = [c for c in candidates if c.fits and (below is None or c.memory.reserved_gib < below)]
     if hardware.world_size == 1 and any(c.plan.deepspeed is None for c in fitting):

@@ -61,6 +61,7 @@ def test_fsdp2_is_planned_only_when_pinned_and_its_memory_is_sharded(tmp_path):
     one_gpu = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp2",
                       "-o", tmp_path / "one")
     assert one_gpu.returncode == 2 and "Traceback" not in one_gpu.stderr
+    assert "fsdp2_on_one_process: FSDP2 on one process has nothing to shard it over" in one_gpu.stderr  # says why
     bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp9", "-o", tmp_path / "b")
     assert bad.returncode == 2 and "use one of none, ddp, zero1, zero2, zero3, fsdp2" in bad.stderr
 
