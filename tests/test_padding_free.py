@@ -2,6 +2,9 @@
 import pytest
 
 torch = pytest.importorskip("torch")
+from lf_adapter.plugin.padding_free import supported  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not supported(), reason="padding-free needs transformers >= 4.53")
 
 
 def _tiny_model(kv_heads=4):

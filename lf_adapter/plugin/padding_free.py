@@ -101,6 +101,17 @@ def _torch_varlen():
     return _VARLEN["fn"]
 
 
+def supported() -> bool:
+    """transformers' AttentionInterface and AttentionMaskInterface (4.53+): without them the rows would not be kept
+    apart, so the collator must not flatten either."""
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def no_mask(*args, **kwargs):
     """The mask interface for lfa_varlen: rows are kept apart by the sequence boundaries, not by a mask."""
     return None
