@@ -111,7 +111,7 @@ def test_cluster_profile_renders_per_node_scripts_sbatch_and_a_fixed_rendezvous(
 
 def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     new = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
-                  "-o", tmp_path / "ray095")
+                  "--llamafactory-version", "0.9.5", "-o", tmp_path / "ray095")
     old = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
                   "--llamafactory-version", "0.9.4", "-o", tmp_path / "ray094")
     assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
@@ -122,7 +122,7 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     launch = (tmp_path / "ray095" / "launch.sh").read_text()
     assert 'USE_RAY="1"' in launch and "FORCE_TORCHRUN" not in launch
     assert "ray start --head" in (tmp_path / "ray095" / "ray-cluster.sh").read_text()
-    # the 0.9.4 recipe under the installed 0.9.5: review names the keys that changed
+    # the 0.9.4 recipe under the installed LLaMA-Factory: review names the keys that changed
     review = run_lfa("review", tmp_path / "ray094" / "train.yaml", "--format", "json")
     import json
 
