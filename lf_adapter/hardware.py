@@ -175,9 +175,9 @@ def _ram_gib() -> float:
         return 0.0
 
 
-def installed_versions() -> dict[str, str | None]:
+def installed_versions(names=SOFTWARE) -> dict[str, str | None]:
     versions = {}
-    for dist in SOFTWARE:
+    for dist in names:
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -224,13 +224,7 @@ def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[
 
 
 def installed_stack_problems() -> list[str]:
-    names = [*SOFTWARE, "numpy", "pyarrow"]
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+    versions = installed_versions([*SOFTWARE, "numpy", "pyarrow"])
     try:
         requires = importlib.metadata.requires("llamafactory") or []
     except importlib.metadata.PackageNotFoundError:

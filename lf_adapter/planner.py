@@ -97,6 +97,8 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     else:
         ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
               ("zero3", "all")]
+    fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
+                                 if "sharding" in options.fixed else {})}
     for mbs, gc, lg, attn, (stage, offload), pack, pf in itertools.product(
             _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free):
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
@@ -105,8 +107,6 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
                     padding_free=pf, sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
                     alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
                     launcher=options.launcher)
-        fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
-                                     if "sharding" in options.fixed else {})}
         if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             continue
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3

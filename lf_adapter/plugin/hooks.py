@@ -134,19 +134,14 @@ def _patch_sft_trainer(trainer_module) -> None:
         trainer_class.save_model = save_model
 
 
-TEXT_BATCH_KEYS = {"input_ids", "attention_mask", "labels"}
-
-
 def drop_right_padding_mask(batch) -> bool:
     """A right-padded text batch needs no padding mask under causal attention: a real token only attends to
     earlier positions, which are all real, and padded positions carry label -100. Without the mask, SDPA takes
     its causal flash kernel instead of the masked path. The non-pad count is kept for lfa's events."""
-    import torch
+    from lf_adapter.plugin.padding_free import right_padding_mask
 
-    mask = batch.get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2 or not set(batch.keys()) <= TEXT_BATCH_KEYS:
-        return False
-    if mask.size(1) > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # not ones-then-zeros in every row
+    mask = right_padding_mask(batch)
+    if mask is None:
         return False
     batch["lfa_nonpad_tokens"] = mask.sum()
     batch["attention_mask"] = None

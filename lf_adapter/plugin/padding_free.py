@@ -12,10 +12,24 @@ attention on CUDA (torch >= 2.10, no extra package), and on the CPU a reference 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 ATTENTION_NAME = "lfa_varlen"
 TEXT_KEYS = {"input_ids", "attention_mask", "labels"}
+
+
+def right_padding_mask(batch):
+    """The [B, L] attention mask of a right-padded text batch (only text keys, ones-then-zeros in every row), else
+    None: 4D masks, packed or left-padded rows, other inputs."""
+    import torch
+
+    mask = batch.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or not set(batch.keys()) <= TEXT_KEYS:
+        return None
+    if mask.size(1) > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        return None
+    return mask
 
 
 def flatten_batch(batch) -> bool:
@@ -23,10 +37,8 @@ def flatten_batch(batch) -> bool:
     when it is not one (4D masks, packed rows, other keys)."""
     import torch
 
-    mask = batch.get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2 or not set(batch.keys()) <= TEXT_KEYS or "labels" not in batch:
-        return False
-    if mask.size(1) > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # not ones-then-zeros in every row
+    mask = right_padding_mask(batch)
+    if mask is None or "labels" not in batch:
         return False
     lengths = mask.sum(dim=1)
     lengths = lengths[lengths > 0]
@@ -101,6 +113,7 @@ def _torch_varlen():
     return _VARLEN["fn"]
 
 
+@functools.lru_cache(maxsize=1)
 def supported() -> bool:
     """transformers' AttentionInterface and AttentionMaskInterface (4.53+): without them the rows would not be kept
     apart, so the collator must not flatten either."""

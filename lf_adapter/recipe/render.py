@@ -100,7 +100,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     env = _environment()
     plan = inputs.plan
     files: dict[str, str] = {}
-    deepspeed_file = deepspeed_file_name(plan)
+    keys = plan_keys(plan)
+    deepspeed_file = keys["deepspeed"]
     if deepspeed_file:
         files[deepspeed_file] = render_deepspeed(plan)[1]
     accelerate_config = render_accelerate_config(plan)
@@ -117,8 +118,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
-        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path, keys=plan_keys(plan),
-        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=plan_keys(plan)["deepspeed"],
+        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path, keys=keys,
+        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=deepspeed_file,
         dataset_name=inputs.task.dataset.name, dataset_dir=".", chat_template=inputs.chat_template,
         plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
         preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,

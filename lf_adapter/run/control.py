@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import UserError
 from .process import alive, group_alive
-from .ledger import FINAL_STATES as FINAL, read_ledger, write_ledger
+from .ledger import FINAL_STATES as FINAL, RunLedger, read_ledger, write_ledger
 from .monitor import FileFollower, fold_event
 
 def resolve_run_dir(run: str) -> Path:
@@ -65,12 +65,15 @@ def _last_events(run_dir: Path) -> dict:
             "tokens_per_s": round(state["tokens_per_s"]) if state.get("tokens_per_s") else None}
 
 
+def run_state(ledger: RunLedger) -> str:
+    """The ledger's state, or "dead" when it records no end and its supervisor is gone."""
+    return ledger.status if ledger.status in FINAL or alive(ledger.supervisor_pid) else "dead"
+
+
 def run_status(run_dir: Path) -> RunStatus:
     ledger = read_ledger(run_dir)
     last = ledger.last
-    state = ledger.status
-    if state not in FINAL and not alive(ledger.supervisor_pid):
-        state = "dead"
+    state = run_state(ledger)
     status = RunStatus(name=ledger.name or run_dir.resolve().name, dir=str(run_dir), state=state, attempts=len(ledger.attempts),
                        supervisor_pid=ledger.supervisor_pid, trainer_pid=last.trainer_pid if last else None,
                        failure=((last.failure or {}).get("kind") if last else None),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
-from .process import alive
+from .control import run_state
 from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
 
 FIGURES = ("loss", "throughput", "memory", "gpu", "lr")
@@ -153,9 +153,8 @@ def collect(run_dir: Path) -> RunReport:
     if not run_dir.is_dir():
         raise UserError(f"no run folder {run_dir}")
     ledger = read_ledger(run_dir)
-    state = ledger.status
-    if state not in FINAL_STATES:
-        state = "running" if alive(ledger.supervisor_pid) else "dead"
+    state = run_state(ledger)
+    state = state if state in FINAL_STATES or state == "dead" else "running"  # new/starting: running, for people
     series = split_events(_read_events(run_dir / "events.jsonl"), ledger.attempts)
     diff, output_dir, tensorboard, notes = _recipe_diff(ledger)
     return RunReport(ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes)

@@ -420,8 +420,9 @@ def finish_run(run_dir: Path, reporter: Reporter) -> None:
 def prepare(request: TrainRequest) -> RunSetup:
     """Everything before the first attempt: the recipe and its plan, the run folder and its locks, the ledger, what
     remedies need to know. Raises UserError on bad input, before anything runs."""
-    if ladder_problems():  # a misspelled remedy would only be skipped in the middle of a failing run
-        raise UserError("failures/classes.yaml: " + "; ".join(ladder_problems()))
+    problems = ladder_problems()  # a misspelled remedy would only be skipped in the middle of a failing run
+    if problems:
+        raise UserError("failures/classes.yaml: " + "; ".join(problems))
     recipe = load_recipe(request.recipe)
     hardware = recipe_hardware(recipe, request.hardware)
     if "output_dir" not in recipe.data:
