@@ -41,7 +41,9 @@ lens = [len(ft(r["input"] + r["output"])["input_ids"]) for r in rows]
 lens.sort(); print("tokens/sample p50", lens[len(lens)//2], "p90", lens[int(len(lens)*.9)], "max", lens[-1], "mean", sum(lens)/len(lens))
 shape = {"350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
          "1.3b": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
-         "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)}[size]
+         "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+         # the 6.7B's width with 12 of its 32 layers: its offloaded states (~70 GiB) fit the H200 host's 128 GiB
+         "6.7b-12l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=32)}[size]
 cfg = LlamaConfig(vocab_size=32256, **shape, max_position_embeddings=16384, rope_theta=100000.0, bos_token_id=0, eos_token_id=1,
                   tie_word_embeddings=False, torch_dtype="bfloat16")
 with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -6,6 +6,7 @@ this checks the throughput model alone, not lfa's length estimate from character
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,9 +18,22 @@ from lf_adapter.plan import Plan  # noqa: E402
 from lf_adapter.throughput import predict_tokens_per_s  # noqa: E402
 
 MEAN_FRACTION = 1475 / 2048
-PROFILE = {"seed_fix": "h200-capped-32g", "h200": "h200", "h200_packing": "h200", "h200_zero2_offload": "h200",
-           "h200_zero3": "h200", "h200_zero3_offload": "h200", "z2off_1.3b": "h200", "z2off_1.3b_ga8": "h200",
-           "z3off_1.3b": "h200", "plain_1.3b": "h200"}
+
+
+def profile_of(label: str) -> str:
+    """The seed's card (emulated by the capped allocator) for the seed fix and the capped plans, else the H200."""
+    return "h200-capped-32g" if label.startswith(("seed_fix", "capped", "v100")) else "h200"
+
+
+def spec_of(label: str, row: dict):
+    """The 1.3B shape unless the row names another: a 6.7B label suffix (seed_scenario --model-dir model_6.7b) or
+    the offload bench's model folder (model_6.7b-12l: the 6.7B's layers, 12 of 32)."""
+    big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
+    if row.get("model") == "model_6.7b-12l":
+        return dataclasses.replace(big, num_layers=12)
+    if label.endswith("_6.7b") or row.get("model") == "model_6.7b":
+        return big
+    return load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
@@ -34,21 +48,21 @@ def plan_of(label: str, row: dict) -> Plan | None:
 def main() -> None:
     runs = sys.argv[1:] or [*sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
                             "bench/results/h200_session10/seed_deepspeed.json",
-                            *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json"))]
-    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+                            *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json")),
+                            *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json"))]
     worst = 0.0
-    print(f"{'run':28s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    print(f"{'run':36s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for run in runs:
         for label, row in json.loads(Path(run).read_text()).items():
             plan = plan_of(label, row)
-            if plan is None or row.get("model", "model") != "model" or (row.get("steps_measured") or 9) < 3:
+            if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
-            hardware = load_profile(PROFILE.get(label, "h200-capped-32g"))
-            predicted = predict_tokens_per_s(spec, plan, hardware, 2048, MEAN_FRACTION)
+            predicted = predict_tokens_per_s(spec_of(label, row), plan, load_profile(profile_of(label)), 2048,
+                                             MEAN_FRACTION)
             measured = row["steady_tokens_per_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
-            print(f"{Path(run).stem + ':' + label:28s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
+            print(f"{Path(run).stem + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
     print(f"worst |error|: {worst:.1%}")
 
 

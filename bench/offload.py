@@ -14,6 +14,7 @@ which counts pages that forked data workers share with the trainer more than onc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -35,6 +36,11 @@ RUNS = {
     "z3off_6.7b": ("model_6.7b", ["deepspeed=zero3", "offload=all", "micro_batch_size=8"]),
     "z2off_6.7b_ga8": ("model_6.7b", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
     "z2off_6.7b_ga64": ("model_6.7b", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=1"]),
+    # the 6.7B's width and layer shapes, 12 of its 32 layers (2.69 B parameters): the whole 6.7B's offloaded states
+    # do not fit the H200 host's 128 GiB (session 11: killed), these do
+    "z2off_6.7b-12l_ga8": ("model_6.7b-12l", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
+    "z2off_6.7b-12l_ga64": ("model_6.7b-12l", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=1"]),
+    "z3off_6.7b-12l": ("model_6.7b-12l", ["deepspeed=zero3", "offload=all", "micro_batch_size=8"]),
 }
 
 
@@ -80,6 +86,14 @@ def big_ram_profile(work: Path) -> Path:
     path = work / "h200-bench.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def build_assets(assets: Path, model_dir: str) -> None:
+    import subprocess
+
+    if not (assets / model_dir / "config.json").exists():
+        size = model_dir.removeprefix("model_") if model_dir != "model" else "1.3b"
+        subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(assets), size], check=True)
 
 
 def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout_s: float) -> dict:
@@ -140,8 +154,9 @@ def table(results: dict) -> None:
     from lf_adapter.throughput import predict_tokens_per_s
 
     hardware = load_profile("h200")
-    specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"),
-             "model_6.7b": load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")}
+    big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
+    specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"), "model_6.7b": big,
+             "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12)}
     print(f"{'run':16s} {'plan':50s} {'trainer':>7s} {'pred':>6s} {'err':>6s} {'tree':>6s} {'node':>6s} "
           f"{'tok/s':>7s} {'pred':>7s} {'err':>6s}")
     for label, row in results.items():
@@ -182,6 +197,7 @@ def main() -> None:
     results_file = args.out / "offload.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     for label in [name for name in args.only.split(",") if name in RUNS]:
+        build_assets(args.assets, RUNS[label][0])
         started = time.time()
         left = args.deadline_s - (started - begun)
         if left < 60:

@@ -19,6 +19,7 @@ Runs (pick with --only a,b):
   capped_packing  --allow-packing
   v100_golden     lfa's plan for a real V100 (compute-bound: mbs1, no checkpointing), run on the capped H200
   h200, h200_packing           lfa's plans for the whole H200 (uncapped): MFU
+  h200_padfree, capped_padfree  the same with --pin padding_free=true (rows flattened, varlen attention, no padding)
   h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the h200 plan
 
 usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix]
@@ -54,6 +55,8 @@ GENERATED = {
     "v100_golden": ("v100-32g", [], [], True),
     "h200": ("h200", [], [], False),
     "h200_packing": ("h200", ["--allow-packing"], [], False),
+    "h200_padfree": ("h200", ["--pin", "padding_free=true"], [], False),
+    "capped_padfree": ("h200-capped-32g", FP16 + ["--pin", "padding_free=true"], [], True),
     "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
     "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
@@ -149,10 +152,11 @@ def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: in
     return measure(recipe, log.read_text(errors="replace"), events, spec)
 
 
-def run_generated(label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int) -> dict:
+def run_generated(label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int,
+                  model_dir: str = "model") -> dict:
     profile, gen_args, train_sets, _ = GENERATED[label]
     folder, run_dir = work / label, work / "runs" / label
-    lfa("generate", "--task", "pseudo2norm", "--model", str(assets / "model"), "--dataset",
+    lfa("generate", "--task", "pseudo2norm", "--model", str(assets / model_dir), "--dataset",
         str(assets / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args, "--set", f"max_steps={steps}", "--set", "save_strategy=no",
         "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force", log=out / f"{label}.gen.log")
     started = time.time()
@@ -199,28 +203,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of 64 rows per lfa run")
     parser.add_argument("--seed-steps", type=int, default=10, help="steps of 16 rows for the seed fix")
     parser.add_argument("--only", default="")
+    parser.add_argument("--model-dir", default="model",
+                        help="model folder under ASSETS_DIR for lfa's plans (model_6.7b: built by make_assets.py 6.7b)")
     args = parser.parse_args()
     work = args.assets / "seed"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    spec = load_model_spec(str(args.assets / "model"))
+    if not (args.assets / args.model_dir / "config.json").exists():
+        size = args.model_dir.removeprefix("model_")
+        subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(args.assets), size], check=True)
+    spec = load_model_spec(str(args.assets / args.model_dir))
     base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
     capped_env = {**base_env, "LFA_EMULATE_VRAM_GIB": str(CAP_GIB)}
     order = ["original", "seed_fix", *GENERATED]
     wanted = [name for name in args.only.split(",") if name in order] if args.only else order
     results_file = args.out / "seed_scenario.json"
     table = json.loads(results_file.read_text()) if results_file.exists() else {}
+    suffix = "" if args.model_dir == "model" else "_" + args.model_dir.removeprefix("model_")  # h200 -> h200_6.7b
     for name in wanted:
         started = time.time()
-        if name == "original":
-            table[name] = run_original(work, args.assets, args.out, capped_env, spec)
+        if name == "original":  # the seed's own recipes always train assets/model
+            key, table[name] = name, run_original(work, args.assets, args.out, capped_env, spec)
         elif name == "seed_fix":
-            table[name] = run_seed_fix(work, args.assets, args.out, capped_env, spec, args.seed_steps)
+            key, table[name] = name, run_seed_fix(work, args.assets, args.out, capped_env, spec, args.seed_steps)
         else:
             env = capped_env if GENERATED[name][3] else base_env
-            table[name] = run_generated(name, work, args.assets, args.out, env, spec, args.steps)
-        print(f"BENCH {name} done in {time.time() - started:.0f}s: {json.dumps(table[name], default=str)[:400]}",
+            key = name + suffix
+            table[key] = run_generated(name, work, args.assets, args.out, env, spec, args.steps, args.model_dir)
+        print(f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}",
               flush=True)
         results_file.write_text(json.dumps(table, indent=1, default=str))
     print_table(table)

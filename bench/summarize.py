@@ -36,10 +36,14 @@ def summarize(run: Path) -> dict:
     seed, capped = rows.get("seed_fix"), _first(rows, CAPPED)
     h13, h67 = _first(rows, H200_13B), _first(rows, H200_67B)
     defaults = [r for label, r in rows.items() if label in CAPPED + H200_13B + H200_67B]
-    ratio = None
-    if seed and capped and seed.get("steady_tokens_per_s") and capped.get("steady_tokens_per_s"):
-        ratio = round(capped["steady_tokens_per_s"] / seed["steady_tokens_per_s"], 2)
-    return {"capped_x_seed_fix": ratio,
+
+    def x_seed(row: dict | None) -> float | None:
+        if seed and row and seed.get("steady_tokens_per_s") and row.get("steady_tokens_per_s"):
+            return round(row["steady_tokens_per_s"] / seed["steady_tokens_per_s"], 2)
+        return None
+
+    return {"capped_x_seed_fix": x_seed(capped),
+            "capped_padfree_x_seed_fix": x_seed(rows.get("capped_padfree")),  # --pin padding_free=true
             "h200_1.3b_mfu": h13.get("mfu") if h13 else None,
             "h200_6.7b_mfu": h67.get("mfu") if h67 else None,
             "default_plans_exact": bool(defaults) and all("packing" not in str(r.get("plan", "")) for r in defaults),

@@ -88,7 +88,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                                       **kwargs)
     groups = query.size(1) // key.size(1)
     q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
-    if q.is_cuda and _torch_varlen() is not None:
+    if q.is_cuda and _torch_varlen() is not None and _flash_capable(q.device.index or 0):
         varlen, has_window = _torch_varlen()
         extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
         out = varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu,
@@ -111,6 +111,14 @@ def _torch_varlen():
         except ImportError:
             _VARLEN["fn"] = None
     return _VARLEN["fn"]
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_capable(device_index: int) -> bool:
+    """torch's varlen attention is Flash Attention: sm80+ (a V100 takes the per-row SDPA path, exact and slower)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,6 +150,6 @@ def use_on(model) -> None:
     """Route the model's attention through lfa_varlen (its config and sub-configs)."""
     register()
     model.config._attn_implementation = ATTENTION_NAME
-    kernel = "torch's varlen flash attention on CUDA" if _torch_varlen() is not None else "no varlen kernel in this torch"
+    kernel = "torch's varlen flash attention on sm80+ GPUs" if _torch_varlen() is not None else "no varlen kernel"
     print(f"lfa: padding-free: each micro-batch's rows flattened into one sequence, attention kept per row "
-          f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row on the CPU)", flush=True)
+          f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row elsewhere)", flush=True)
