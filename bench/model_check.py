@@ -6,16 +6,16 @@ this checks the throughput model alone, not lfa's length estimate from character
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lf_adapter.hardware import load_profile  # noqa: E402
-from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
 from lf_adapter.throughput import predict_tokens_per_s  # noqa: E402
+from seed_scenario import catalog_spec  # noqa: E402
 
 MEAN_FRACTION = 1475 / 2048
 
@@ -27,13 +27,8 @@ def profile_of(label: str) -> str:
 
 def spec_of(label: str, row: dict):
     """The 1.3B shape unless the row names another: a 6.7B label suffix (seed_scenario --model-dir model_6.7b) or
-    the offload bench's model folder (model_6.7b-12l: the 6.7B's layers, 12 of 32)."""
-    big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
-    if row.get("model") == "model_6.7b-12l":
-        return dataclasses.replace(big, num_layers=12)
-    if label.endswith("_6.7b") or row.get("model") == "model_6.7b":
-        return big
-    return load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    the offload bench's model folder."""
+    return catalog_spec(row.get("model") or ("model_6.7b" if label.endswith("_6.7b") else "model"))
 
 
 def plan_of(label: str, row: dict) -> Plan | None:

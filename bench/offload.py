@@ -14,7 +14,6 @@ which counts pages that forked data workers share with the trainer more than onc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from seed_scenario import build_assets, catalog_spec, steady_state  # noqa: E402
 
 # label -> (model folder under ASSETS, lfa generate --pin arguments)
 RUNS = {
@@ -88,19 +88,9 @@ def big_ram_profile(work: Path) -> Path:
     return path
 
 
-def build_assets(assets: Path, model_dir: str) -> None:
-    import subprocess
-
-    if not (assets / model_dir / "config.json").exists():
-        size = model_dir.removeprefix("model_") if model_dir != "model" else "1.3b"
-        subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(assets), size], check=True)
-
-
 def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout_s: float) -> dict:
     import signal
     import subprocess
-
-    from seed_scenario import steady_state
 
     model_dir, pins = RUNS[label]
     folder, run_dir = work / label, work / "runs" / label
@@ -149,21 +139,17 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
 def table(results: dict) -> None:
     from lf_adapter.hardware import load_profile
     from lf_adapter.memory import host_memory
-    from lf_adapter.model_spec import load_model_spec
     from lf_adapter.plan import Plan
     from lf_adapter.throughput import predict_tokens_per_s
 
     hardware = load_profile("h200")
-    big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
-    specs = {"model": load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"), "model_6.7b": big,
-             "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12)}
     print(f"{'run':16s} {'plan':50s} {'trainer':>7s} {'pred':>6s} {'err':>6s} {'tree':>6s} {'node':>6s} "
           f"{'tok/s':>7s} {'pred':>7s} {'err':>6s}")
     for label, row in results.items():
         if not row.get("plan"):
             print(f"{label:16s} (no plan: rc {row.get('rc')})")
             continue
-        spec = specs[row["model"]]
+        spec = catalog_spec(row["model"])
         plan = Plan.from_label(row["plan"])
         host = host_memory(spec, plan, hardware)
         launcher = next(v for k, v in host.items.items() if k.startswith("launcher"))

@@ -27,6 +27,8 @@ usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import re
@@ -61,6 +63,23 @@ GENERATED = {
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
     "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
 }
+
+
+def build_assets(assets: Path, model_dir: str) -> None:
+    """Build ASSETS/model_dir with make_assets.py unless it is there (model: the 1.3B; model_SIZE: that size)."""
+    if not (assets / model_dir / "config.json").exists():
+        size = "1.3b" if model_dir == "model" else model_dir.removeprefix("model_")
+        subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(assets), size], check=True)
+
+
+@functools.lru_cache(maxsize=None)
+def catalog_spec(model_dir: str):
+    """The shape of a bench model folder from lfa's catalog, for tables made where the folders are not: model is the
+    1.3B, model_6.7b the 6.7B, model_6.7b-12l the 6.7B's layers, 12 of its 32."""
+    big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
+    return {"model": load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), "model_6.7b": big,
+            "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12),
+            }[model_dir]
 
 
 def lfa(*args, env=None, log=None) -> int:
@@ -210,9 +229,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not (args.assets / args.model_dir / "config.json").exists():
-        size = args.model_dir.removeprefix("model_")
-        subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(args.assets), size], check=True)
+    build_assets(args.assets, args.model_dir)
     spec = load_model_spec(str(args.assets / args.model_dir))
     base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
     capped_env = {**base_env, "LFA_EMULATE_VRAM_GIB": str(CAP_GIB)}

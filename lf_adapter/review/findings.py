@@ -13,8 +13,6 @@ SEVERITIES = ("error", "warning", "info")
 
 
 @dataclass(frozen=True)
-
-
 class Finding:
     severity: str  # error | warning | info
     rule: str
