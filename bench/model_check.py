@@ -7,6 +7,7 @@ this checks the throughput model alone, not lfa's length estimate from character
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -59,6 +60,31 @@ def main() -> None:
             worst = max(worst, abs(error))
             print(f"{Path(run).stem + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
     print(f"worst |error|: {worst:.1%}")
+    width_check()
+
+
+CALIBRATION_RUNS = ["bench/results/h200_calibration_run1.json", "bench/results/h200_session10/calibration.json"]
+
+
+def width_check() -> None:
+    """The width term below the fitted hidden size: calibrate.py's bf16 rows of the 350M (hidden 1024) against the
+    1.3B's (2048) of the same run. Those step times are noisy (3 steady steps; the first configuration of a size runs
+    4-7x slow, bench/README.md), so each size gets the median error, compared only within one run."""
+    from calibration_table import spec_for
+
+    print(f"\nwidth term on calibrate.py's short runs (median error per size; x{(1024 / 2048) ** 0.5:.2f} at 1024)")
+    for run in CALIBRATION_RUNS:
+        errors: dict[str, list[float]] = {}
+        for r in json.loads(Path(run).read_text())["rows"]:
+            if r["precision"] != "bf16" or not r.get("tokens_per_s"):
+                continue
+            mean_fraction = r["real_tokens_per_step"] / (r["mbs"] * r.get("ga", 1) * r["seq"])
+            plan = Plan("bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"],
+                        attention="sdpa")
+            predicted = predict_tokens_per_s(spec_for(r["size"]), plan, load_profile("h200"), r["seq"], mean_fraction)
+            errors.setdefault(r["size"], []).append(predicted / r["tokens_per_s"] - 1)
+        print(f"{Path(run).parent.name + '/' + Path(run).name:52s} " + "  ".join(
+            f"{size} {statistics.median(e):+6.1%} (n={len(e)})" for size, e in errors.items()))
 
 
 if __name__ == "__main__":
