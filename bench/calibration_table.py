@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lf_adapter.memory import estimate  # noqa: E402
-from lf_adapter.model_spec import _from_config_dict, load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
+from seed_scenario import catalog_spec  # noqa: E402
 
 RUNS = ["bench/results/h200_calibration_run1.json", "bench/results/h200_session10/calibration.json"]
 ANCHOR = [  # shared/reference/anchor README table: (precision, mbs, ga, gc, liger, allocated, reserved)
@@ -35,10 +35,8 @@ DEEPSPEED_RUNS = {"bench/results/h200_session9/runD.json": ["h200_zero2_offload"
 
 
 def spec_for(size: str):
-    if size == "350m":
-        return _from_config_dict("350m", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
-                                          "intermediate_size": 2816, "vocab_size": 32256, "model_type": "llama"})
-    return load_model_spec({"1.3b": "LLM4Binary/llm4decompile-1.3b-v2", "6.7b": "LLM4Binary/llm4decompile-6.7b-v2"}[size])
+    """calibrate.py's size names (350m, 1.3b, 6.7b) to the bench model folders' shapes."""
+    return catalog_spec("model" if size == "1.3b" else "model_" + size)
 
 
 def load_points(runs: list[str]) -> list[dict]:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from lf_adapter.model_spec import load_model_spec  # noqa: E402
+from lf_adapter.model_spec import _from_config_dict, load_model_spec  # noqa: E402
 
 CAP_GIB = 31.73
 H200_PEAK = 989e12
@@ -74,8 +74,11 @@ def build_assets(assets: Path, model_dir: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def catalog_spec(model_dir: str):
-    """The shape of a bench model folder from lfa's catalog, for tables made where the folders are not: model is the
-    1.3B, model_6.7b the 6.7B, model_6.7b-12l the 6.7B's layers, 12 of its 32."""
+    """The shape of a bench model folder, for tables made where the folders are not: model is the 1.3B, model_6.7b
+    the 6.7B (lfa's catalog), model_6.7b-12l the 6.7B's layers, 12 of its 32, model_350m make_assets.py's 350M."""
+    if model_dir == "model_350m":
+        return _from_config_dict("350m", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                                          "intermediate_size": 2816, "vocab_size": 32256, "model_type": "llama"})
     big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
     return {"model": load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), "model_6.7b": big,
             "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12),
