@@ -27,9 +27,12 @@ def profile_of(label: str) -> str:
 
 
 def spec_of(label: str, row: dict):
-    """The 1.3B shape unless the row names another: a 6.7B label suffix (seed_scenario --model-dir model_6.7b) or
-    the offload bench's model folder."""
-    return catalog_spec(row.get("model") or ("model_6.7b" if label.endswith("_6.7b") else "model"))
+    """The 1.3B shape unless the row names another: the offload bench's model folder, or a label suffix
+    (seed_scenario --model-dir model_6.7b labels h200_6.7b)."""
+    if row.get("model"):
+        return catalog_spec(row["model"])
+    return catalog_spec(next((folder for folder in ("model_6.7b", "model_350m")
+                              if label.endswith(folder.removeprefix("model"))), "model"))
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
@@ -45,7 +48,8 @@ def main() -> None:
     runs = sys.argv[1:] or [*sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
                             "bench/results/h200_session10/seed_deepspeed.json",
                             *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json")),
-                            *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json"))]
+                            *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json")),
+                            *sorted(str(p) for p in Path("bench/results/h200_session14").glob("*.json"))]
     worst = 0.0
     print(f"{'run':36s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for run in runs:
@@ -63,17 +67,14 @@ def main() -> None:
     width_check()
 
 
-CALIBRATION_RUNS = ["bench/results/h200_calibration_run1.json", "bench/results/h200_session10/calibration.json"]
-
-
 def width_check() -> None:
     """The width term below the fitted hidden size: calibrate.py's bf16 rows of the 350M (hidden 1024) against the
     1.3B's (2048) of the same run. Those step times are noisy (3 steady steps; the first configuration of a size runs
     4-7x slow, bench/README.md), so each size gets the median error, compared only within one run."""
-    from calibration_table import spec_for
+    from calibration_table import RUNS, spec_for
 
     print(f"\nwidth term on calibrate.py's short runs (median error per size; x{(1024 / 2048) ** 0.5:.2f} at 1024)")
-    for run in CALIBRATION_RUNS:
+    for run in RUNS:
         errors: dict[str, list[float]] = {}
         for r in json.loads(Path(run).read_text())["rows"]:
             if r["precision"] != "bf16" or not r.get("tokens_per_s"):

@@ -101,5 +101,5 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             (plan.padding_free, "padding-free measured 9-17% faster than this"),
             (plan.sharding == "fsdp2", "FSDP2 priced as ZeRO-3 (not measured)")) if applies]
         return "; ".join(["throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
-                          "width within 2.2% (one run fitted, three checked)", *caveats])
+                          "width within 2.2% (one run fitted, three checked), the 350M width +0.9%", *caveats])
     return basis + "; not measured on this GPU"
