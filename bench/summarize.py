@@ -51,7 +51,11 @@ def summarize(run: Path) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        raise SystemExit(__doc__)
     run = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else newest_run()
+    if not (run.is_file() or (run / "seed_scenario.json").is_file()):
+        raise SystemExit(f"{sys.argv[1]}: neither a run's JSON nor a folder holding seed_scenario.json")
     summary = summarize(run)
     print(f"{'figure':22s} value")
     for key, value in summary.items():
