@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lf_adapter.hardware import load_profile  # noqa: E402
+from lf_adapter.memory import coefficients  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
 from lf_adapter.throughput import predict_tokens_per_s  # noqa: E402
 from seed_scenario import catalog_spec  # noqa: E402
@@ -73,7 +74,10 @@ def width_check() -> None:
     4-7x slow, bench/README.md), so each size gets the median error, compared only within one run."""
     from calibration_table import RUNS, spec_for
 
-    print(f"\nwidth term on calibrate.py's short runs (median error per size; x{(1024 / 2048) ** 0.5:.2f} at 1024)")
+    t = coefficients()["throughput"]
+    h200 = load_profile("h200")
+    print(f"\nwidth term on calibrate.py's short runs (median error per size; "
+          f"x{(1024 / t['fitted_hidden_size']) ** t['width_rate_exponent']:.2f} at 1024)")
     for run in RUNS:
         errors: dict[str, list[float]] = {}
         for r in json.loads(Path(run).read_text())["rows"]:
@@ -82,7 +86,7 @@ def width_check() -> None:
             mean_fraction = r["real_tokens_per_step"] / (r["mbs"] * r.get("ga", 1) * r["seq"])
             plan = Plan("bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"],
                         attention="sdpa")
-            predicted = predict_tokens_per_s(spec_for(r["size"]), plan, load_profile("h200"), r["seq"], mean_fraction)
+            predicted = predict_tokens_per_s(spec_for(r["size"]), plan, h200, r["seq"], mean_fraction)
             errors.setdefault(r["size"], []).append(predicted / r["tokens_per_s"] - 1)
         print(f"{Path(run).parent.name + '/' + Path(run).name:52s} " + "  ".join(
             f"{size} {statistics.median(e):+6.1%} (n={len(e)})" for size, e in errors.items()))

@@ -98,7 +98,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     if "H200" in gpu.name:
         caveats = [text for applies, text in (
             (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
-            (plan.padding_free, "padding-free measured 9-17% faster than this"),
+            (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
             (plan.sharding == "fsdp2", "FSDP2 priced as ZeRO-3 (not measured)")) if applies]
         return "; ".join(["throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
                           "width within 2.2% (one run fitted, three checked), the 350M width +0.9%", *caveats])
