@@ -16,6 +16,17 @@ if [ "$cmd" = calibrate ]; then
   case " $* " in *6.7b*) [ -f $W/model_6.7b/config.json ] || python3 bench/make_assets.py $W 6.7b 2>&1 | grep -v Warning;; esac
   python3 bench/calibrate.py $W $OUT/calibration.json "$@" 2>&1 | grep -E "CALIB|Traceback|Error" | tee $OUT/calibrate.txt
 fi
+if [ "$cmd" = offload ] && ls .aio/*.deb >/dev/null 2>&1; then
+  # NVMe offload: DeepSpeed's async I/O op needs libaio, which the image lacks (carried debs, unpacked aside)
+  for f in .aio/*.deb; do dpkg -x $f /tmp/aio; done
+  lib=$(dirname $(find /tmp/aio -name 'libaio.so*' | head -1))
+  export CFLAGS="-I/tmp/aio/usr/include" CPATH=/tmp/aio/usr/include LDFLAGS="-L$lib" LIBRARY_PATH=$lib \
+    LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} TORCH_CUDA_ARCH_LIST=9.0
+  [ -e $lib/libaio.so ] || ln -s $(ls $lib/libaio.so.1* | head -1) $lib/libaio.so
+  start=$(date +%s)
+  python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; print('aio compatible:', B().is_compatible()); B().load()" 2>&1 | grep -E "compatible|Error|error:" | head -5
+  echo "aio op built in $(( $(date +%s) - start )) s"
+fi
 if [ "$cmd" = offload ]; then  # offload.py builds the model shapes its runs need
   timeout ${BENCH_TIMEOUT:-560} python3 bench/offload.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|Traceback|Error" | tee $OUT/offload.txt
   (cd $OUT && tar czf offload_logs.tgz *.log && rm -f *.log)

@@ -41,7 +41,36 @@ RUNS = {
     "z2off_6.7b-12l_ga8": ("model_6.7b-12l", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=8"]),
     "z2off_6.7b-12l_ga64": ("model_6.7b-12l", ["deepspeed=zero2", "offload=optimizer", "micro_batch_size=1"]),
     "z3off_6.7b-12l": ("model_6.7b-12l", ["deepspeed=zero3", "offload=all", "micro_batch_size=8"]),
+    # ZeRO-3 NVMe offload (issue 25): optimizer states on the device's disk (--nvme-path under the work folder)
+    "z3nvme_6.7b-12l": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=8"]),
+    "z3nvme_1.3b": ("model", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=16"]),
 }
+
+
+class FolderBytes:
+    """Peak bytes under a folder (the NVMe swap files), sampled in a thread."""
+
+    def __init__(self, folder: Path, period_s: float = 1.0):
+        self.folder, self.period_s, self.peak_gib, self._stop = folder, period_s, 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for root, _, files in os.walk(self.folder):
+                for name in files:
+                    try:
+                        total += os.path.getsize(os.path.join(root, name))
+                    except OSError:
+                        pass
+            self.peak_gib = max(self.peak_gib, total / 2**30)
+            time.sleep(self.period_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        return self.peak_gib
 
 
 class TreeRss:
@@ -98,6 +127,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
            str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", str(big_ram_profile(work)),
            *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+           *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
            "--logging-steps", "1", "-o", str(folder), "--force"]
     with open(out / f"{label}.gen.log", "wb") as log:
         subprocess.call(gen, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -107,12 +137,14 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     with open(out / f"{label}.log", "wb") as log:
         process = subprocess.Popen(train, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         sampler = TreeRss(process.pid)
+        swap = FolderBytes(work / "swap" / label)
         try:
             rc = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:  # lfa train stops the trainer's group on SIGINT
             process.send_signal(signal.SIGINT)
             rc = process.wait()
         tree_peak = sampler.stop()
+        disk_peak = swap.stop()
     text = (out / f"{label}.log").read_text(errors="replace")
     attempt_logs = sorted(run_dir.glob("attempt-*.log"))
     trainer_text = attempt_logs[-1].read_text(errors="replace") if attempt_logs else ""
@@ -131,6 +163,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
            "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
            "predicted_host_gib": meta.get("predicted_host_gib"),
            "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
+           "peak_swap_gib": round(disk_peak, 2), "predicted_disk_gib": meta.get("predicted_disk_gib"),
            "killed": "SIGKILL" in text or "exitcode  : -9" in trainer_text}
     row.update(steady_state(run_dir / "events.jsonl"))
     return row

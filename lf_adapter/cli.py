@@ -158,7 +158,13 @@ def _print_host(host) -> None:
 @click.option("--allow-packing", is_flag=True, help="Let the planner pack rows (faster; a batch is no longer N rows).")
 @click.option("--pin", "pins", multiple=True, metavar="FIELD=VALUE",
               help="Fix a plan field the planner would choose: micro_batch_size, gradient_checkpointing, liger, "
-                   "attention, deepspeed (zero2|zero3|none), offload (none|optimizer|all).")
+                   "attention, deepspeed (zero2|zero3|none), sharding (none|ddp|zero1|zero2|zero3|fsdp2), offload "
+                   "(none|optimizer|all|nvme-optimizer|nvme-all), optimizer (adamw|adamw_8bit|badam: changes what is "
+                   "trained), padding_free, alloc_conf.")
+@click.option("--allow-optimizer-change", is_flag=True,
+              help="Let the planner choose a memory-light optimizer (8-bit AdamW, BAdam) when it is faster or the only "
+                   "thing that fits. It changes what is trained (not the paper's AdamW); `lfa review` flags it.")
+@click.option("--nvme-path", metavar="DIR", help="Swap folder for NVMe offload (default: the profile's disk path).")
 @click.option("--launcher", type=click.Choice(["torchrun", "ray"]), default="torchrun", show_default=True,
               help="How several GPUs/nodes start: LLaMA-Factory's torchrun relaunch or its Ray workers (USE_RAY=1).")
 @click.option("--llamafactory-version", metavar="X.Y.Z",
@@ -179,8 +185,8 @@ def _print_host(host) -> None:
 @click.option("--check", is_flag=True, help="Regenerate every golden recipe in recipes/ and fail on drift.")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, launcher,
-             llamafactory_version, no_sorted_steps, sets, effective_batch, save_steps,
+def generate(task, model, dataset, template, hardware, gpus, precision, allow_packing, pins, allow_optimizer_change,
+             nvme_path, launcher, llamafactory_version, no_sorted_steps, sets, effective_batch, save_steps,
              logging_steps, report_to, out_dir, force, check, as_json):
     """Render a LLaMA-Factory recipe folder for TASK tailored to the hardware.
 
@@ -208,6 +214,8 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
         + (["--gpus", str(gpus)] if gpus else []) + (["--precision", precision] if precision else []) \
         + (["--allow-packing"] if allow_packing else []) + (["--no-sorted-steps"] if no_sorted_steps else []) \
         + [x for s in pins for x in ("--pin", s)] \
+        + (["--allow-optimizer-change"] if allow_optimizer_change else []) \
+        + (["--nvme-path", nvme_path] if nvme_path else []) \
         + (["--launcher", launcher] if launcher != "torchrun" else []) \
         + (["--llamafactory-version", llamafactory_version] if llamafactory_version else []) \
         + [x for s in sets for x in ("--set", s)] + (["--report-to", report_to] if report_to != "none" else [])
@@ -216,15 +224,19 @@ def generate(task, model, dataset, template, hardware, gpus, precision, allow_pa
                               sort_steps=not no_sorted_steps, pins=tuple(pins), launcher=launcher,
                               llamafactory_version=llamafactory_version,
                               sets=tuple(sets), save_steps=save_steps, logging_steps=logging_steps,
-                              command="lfa generate " + shlex.join(args), report_to=report_to)
+                              command="lfa generate " + shlex.join(args), report_to=report_to,
+                              allow_optimizer_change=allow_optimizer_change, nvme_path=nvme_path)
     gen = run_generate(request)
     written = write_recipe_dir(gen.files, out, force=force)
     if as_json:
         c = gen.result.chosen
         click.echo(json.dumps({"files": [str(p) for p in written], "plan": c.plan.label(), "reasons": c.plan.reasons,
-                               "memory": c.memory.to_dict(), "predicted_tokens_per_s": c.tokens_per_s}, indent=2))
+                               "memory": c.memory.to_dict(), "host": c.host.to_dict(), "disk_gib": round(c.disk_gib, 1),
+                               "predicted_tokens_per_s": c.tokens_per_s, "machine_options": gen.listing}, indent=2))
         return
     _print_plan(gen.result, gen.model, gen.hardware)
+    for line in gen.listing:
+        click.echo(line)
     if gen.dataset is not None:
         hp = gen.hyperparameters
         click.echo(gen.dataset.report(int(hp["cutoff_len"]), int(hp["effective_batch_size"]),

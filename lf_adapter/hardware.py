@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import re
 import shutil
 import socket
 import urllib.parse
@@ -46,6 +47,21 @@ class GPUSpec:
 
 
 @dataclass(frozen=True)
+class DiskSpec:
+    """A local disk that DeepSpeed can swap model states to (NVMe offload)."""
+    path: str  # the folder the swap files go under (nvme_path); must exist where training runs
+    free_gib: float
+    read_gbs: float = 0.0  # sequential O_DIRECT read, GB/s; 0: unknown
+    write_gbs: float = 0.0
+    rotational: bool = False  # a spinning disk: lfa does not offload to it
+    source: str = ""  # where the figures come from (measured by lfa detect --measure-disk, a datasheet, ...)
+
+    @property
+    def known_rates(self) -> bool:
+        return self.read_gbs > 0 and self.write_gbs > 0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     nodes: int
@@ -59,6 +75,7 @@ class HardwareProfile:
     master_addr: str | None = None  # node 0's address, fixed for multi-node rendezvous
     master_port: int = 29500
     hosts: tuple[str, ...] = ()  # optional: host name of each node, in rank order
+    disk: DiskSpec | None = None  # the disk NVMe offload may swap to; None: lfa plans no disk offload
 
     @property
     def world_size(self) -> int:
@@ -76,12 +93,15 @@ class HardwareProfile:
 def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile {source} is not a mapping of keys")
-    gpu = data.get("gpu")
+    gpu, disk = data.get("gpu"), data.get("disk")
     raise_problems(unknown_keys(data, [f.name for f in dataclasses.fields(HardwareProfile)]) +
                    (unknown_keys(gpu, [f.name for f in dataclasses.fields(GPUSpec)], "gpu.")
-                    if isinstance(gpu, dict) else []), f"hardware profile {source}")
+                    if isinstance(gpu, dict) else []) +
+                   (unknown_keys(disk, [f.name for f in dataclasses.fields(DiskSpec)], "disk.")
+                    if isinstance(disk, dict) else []), f"hardware profile {source}")
     try:
         gpu_spec = GPUSpec(**gpu) if gpu else None
+        disk_spec = _disk_from_dict(disk) if disk else None
         if gpu_spec is not None:
             gpu_spec.cc  # validates "X.Y"
         return HardwareProfile(
@@ -97,9 +117,21 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
             master_addr=str(data["master_addr"]) if data.get("master_addr") else None,
             master_port=int(data.get("master_port", 29500)),
             hosts=tuple(str(h) for h in data.get("hosts") or ()),
+            disk=disk_spec,
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None
+
+
+def _disk_from_dict(disk: dict) -> DiskSpec:
+    if not isinstance(disk, dict) or "path" not in disk or "free_gib" not in disk:
+        raise ValueError("disk needs at least path and free_gib")
+    spec = DiskSpec(path=str(disk["path"]), free_gib=float(disk["free_gib"]),
+                    read_gbs=float(disk.get("read_gbs", 0.0)), write_gbs=float(disk.get("write_gbs", 0.0)),
+                    rotational=bool(disk.get("rotational", False)), source=str(disk.get("source", "")))
+    if min(spec.free_gib, spec.read_gbs, spec.write_gbs) < 0:
+        raise ValueError("disk figures must not be negative")
+    return spec
 
 
 def builtin_profiles() -> dict[str, Path]:
@@ -131,10 +163,11 @@ class DetectReport:
     software: dict[str, str | None] = field(default_factory=dict)
     hub: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    disks: list[dict] = field(default_factory=list)  # LocalDisk records: every writable local disk
 
     def to_dict(self) -> dict:
         return {"profile": self.profile.to_dict(), "gpus": self.gpus, "disk_free_gib": self.disk_free_gib,
-                "software": self.software, "hub": self.hub, "notes": self.notes}
+                "disks": self.disks, "software": self.software, "hub": self.hub, "notes": self.notes}
 
 
 def _nvml_gpus() -> tuple[list[dict], str | None]:
@@ -259,7 +292,141 @@ def gpu_spec_from_nvml(info: dict) -> GPUSpec:
                    peak_tflops_16bit=peak, hbm_tbps=hbm)
 
 
-def detect(check_network: bool = True, disk_path: str = ".") -> DetectReport:
+# file systems that are not a local disk (memory, network, containers' layers)
+NOT_A_DISK = {"tmpfs", "devtmpfs", "ramfs", "overlay", "squashfs", "proc", "sysfs", "cgroup", "cgroup2", "nfs",
+              "nfs4", "cifs", "smbfs", "fuse.sshfs", "autofs", "devpts", "mqueue", "debugfs", "tracefs", "securityfs",
+              "pstore", "bpf", "configfs", "fusectl", "hugetlbfs", "binfmt_misc", "efivarfs", "nsfs"}
+
+
+@dataclass(frozen=True)
+class LocalDisk:
+    device: str
+    mountpoint: str
+    fstype: str
+    free_gib: float
+    rotational: bool | None  # None: the kernel does not say
+
+
+def _rotational(device: str) -> bool | None:
+    """/sys/block/<disk>/queue/rotational for /dev/<disk> or one of its partitions."""
+    name = Path(device).name
+    for candidate in (name, name.rstrip("0123456789"), re.sub(r"p\d+$", "", name)):
+        flag = Path("/sys/block") / candidate / "queue" / "rotational"
+        if flag.is_file():
+            try:
+                return flag.read_text().strip() == "1"
+            except OSError:
+                return None
+    return None
+
+
+def local_disks(mounts_file: str = "/proc/mounts") -> list[LocalDisk]:
+    """Writable local disks from the mount table, most free space first (one entry per device)."""
+    try:
+        lines = Path(mounts_file).read_text().splitlines()
+    except OSError:
+        return []
+    disks: dict[str, LocalDisk] = {}
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 4 or fields[2] in NOT_A_DISK or not fields[0].startswith("/dev/"):
+            continue
+        device, mountpoint, fstype, options = fields[0], fields[1].replace("\\040", " "), fields[2], fields[3]
+        if "ro" in options.split(",") or not os.access(mountpoint, os.W_OK):
+            continue
+        try:
+            free = shutil.disk_usage(mountpoint).free / 2**30
+        except OSError:
+            continue
+        if device not in disks or len(mountpoint) < len(disks[device].mountpoint):
+            disks[device] = LocalDisk(device, mountpoint, fstype, round(free, 1), _rotational(device))
+    return sorted(disks.values(), key=lambda d: -d.free_gib)
+
+
+def swap_folder_for(disk: LocalDisk, cwd: Path | None = None) -> str:
+    """Where NVMe offload should swap on this disk: the current folder when it lives there, else the mount point."""
+    cwd = (cwd or Path.cwd()).resolve()
+    try:
+        if os.stat(cwd).st_dev == os.stat(disk.mountpoint).st_dev:
+            return str(cwd)
+    except OSError:
+        pass
+    return disk.mountpoint
+
+
+def measure_disk(folder: str, size_mib: int = 1024, block_mib: int = 1) -> tuple[float, float]:
+    """Sequential (write, read) GB/s with O_DIRECT (no page cache) through a file in a temporary folder lfa
+    creates under `folder` and removes. UserError when the file system refuses O_DIRECT (tmpfs, some overlays)."""
+    import mmap
+    import tempfile
+    import time
+
+    if not hasattr(os, "O_DIRECT"):
+        raise UserError("this platform has no O_DIRECT: the disk cannot be measured without the page cache")
+    block = block_mib * 2**20
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buffer.write(os.urandom(block))
+    blocks = max(1, size_mib // block_mib)
+    scratch = tempfile.mkdtemp(prefix="lfa-disk-test-", dir=folder)
+    path = os.path.join(scratch, "probe.bin")
+    try:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+        except OSError as exc:
+            raise UserError(f"cannot measure {folder}: O_DIRECT refused ({exc.strerror})") from None
+        try:
+            start = time.perf_counter()
+            for _ in range(blocks):
+                os.write(fd, buffer)
+            os.fsync(fd)
+            write_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            start = time.perf_counter()
+            while os.readv(fd, [buffer]) > 0:
+                pass
+            read_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise UserError(f"cannot measure {folder}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    total = blocks * block
+    return total / write_s / 1e9, total / read_s / 1e9
+
+
+FAST_DISK_GBS = 0.5  # sustained O_DIRECT rate no spinning disk reaches
+
+
+def choose_swap_disk(disks: list[LocalDisk], measure: bool) -> tuple[DiskSpec | None, list[str]]:
+    """The disk NVMe offload should use: the solid-state one with most free space. Virtual disks often call
+    themselves rotational; a measured rate above FAST_DISK_GBS settles it."""
+    notes = []
+    candidates = [d for d in disks if d.rotational is not True] or (disks if measure else [])
+    if not candidates:
+        if disks:
+            notes.append("the kernel calls every local disk rotational: lfa plans no NVMe offload to them "
+                         "(virtual disks often say so; `lfa detect --measure-disk` measures them)")
+        return None, notes
+    best = candidates[0]
+    folder = swap_folder_for(best)
+    if not measure:
+        return DiskSpec(path=folder, free_gib=best.free_gib, source=f"lfa detect: {best.device} ({best.fstype}); "
+                        "rates not measured (lfa detect --measure-disk)"), notes
+    write, read = measure_disk(folder)
+    if best.rotational and min(read, write) < FAST_DISK_GBS:
+        notes.append(f"{best.device} is rotational and measured {write:.2f} GB/s write, {read:.2f} GB/s read: "
+                     "lfa plans no NVMe offload to it")
+        return None, notes
+    return DiskSpec(path=folder, free_gib=best.free_gib, read_gbs=round(read, 2), write_gbs=round(write, 2),
+                    source=f"measured by lfa detect --measure-disk in {folder} ({best.device}, 1 GiB, O_DIRECT, "
+                           "1 MiB blocks)"), notes
+
+
+def detect(check_network: bool = True, disk_path: str = ".", measure: bool = False) -> DetectReport:
     gpus, note = _nvml_gpus()
     notes = [note] if note else []
     if gpus:
@@ -281,8 +448,14 @@ def detect(check_network: bool = True, disk_path: str = ".") -> DetectReport:
     except OSError:
         disk_free = 0.0
     notes += [f"known-bad pair: {problem}" for problem in installed_stack_problems()]
+    disks = local_disks()
+    disk, disk_notes = choose_swap_disk(disks, measure)
+    notes += disk_notes
+    if disk is not None:
+        profile = dataclasses.replace(profile, disk=disk)
     return DetectReport(profile=profile, gpus=gpus, disk_free_gib=round(disk_free, 1), software=installed_versions(),
-                        hub=hub_status(check_network), notes=notes)
+                        hub=hub_status(check_network), notes=notes,
+                        disks=[dataclasses.asdict(d) for d in disks])
 
 
 def save_profile(profile: HardwareProfile, path: Path) -> None:

@@ -10,6 +10,7 @@ from . import catalog_dir
 from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
+from .strategy import Optimizer, Sharding
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.12
@@ -51,10 +52,40 @@ class MemoryBreakdown:
                 "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3), "fits": self.fits}
 
 
+BNB_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize each state in blocks of 256 with one fp32 scale
+
+
+def badam_block_params(model: ModelSpec) -> int:
+    """BAdam (layer mode) trains one block at a time: a decoder layer, or the embedding / lm_head."""
+    return max(model.params_per_layer, model.embedding_params)
+
+
+def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
+    """Weights, gradients and optimizer states without DeepSpeed or FSDP, by optimizer."""
+    p = model.num_params
+    if plan.optimizer == Optimizer.BADAM:
+        # LLaMA-Factory keeps the model in half precision under BAdam (no fp32 upcast); BAdam gives the active
+        # block an fp32 copy, fp32 gradients and Adam moments, and only that block has 16-bit gradients
+        block = badam_block_params(model)
+        return {"weights (16-bit, BAdam: no fp32 upcast)": 2.0 * p,
+                "active block (one layer): fp32 copy + fp32 grads + Adam m, v": 16.0 * block,
+                "active block: 16-bit gradients": 2.0 * block}
+    # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
+    states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
+    if plan.optimizer == Optimizer.ADAMW_8BIT:
+        states["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] = (2.0 + 2 * 4.0 / BNB_BLOCK) * p
+    else:
+        states["optimizer (Adam m, v fp32)"] = 8.0 * p
+    if plan.precision in ("bf16", "fp16") and plan.grad_accum > 1:
+        states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
+    return states
+
+
 def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float]:
-    """Weights, gradients and Adam states per GPU (bytes), and bytes moved to host memory by offload."""
+    """Weights, gradients and Adam states per GPU (bytes), and bytes moved off the GPU by offload. What each
+    strategy divides by the number of processes is strategy.SHARDS_*, read through the plan."""
     p, n = model.num_params, plan.world_size
-    if plan.sharding == "fsdp2":
+    if plan.sharding == Sharding.FSDP2:
         # FSDP2 (accelerate) shards LLaMA-Factory's fp32-upcast parameters, their fp32 gradients and the Adam
         # moments; the current and the prefetched layer are gathered in the 16-bit compute dtype. By construction
         # from FSDP2's design, not measured yet (bench/README.md)
@@ -63,26 +94,29 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
                 "optimizer (Adam m, v fp32, sharded)": 8.0 * p / n,
                 "fsdp2 gathered layer params": gathered * 2 * model.params_per_layer}, 0.0
     if plan.deepspeed is None:
-        # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads,
-        # two fp32 Adam moments.
-        states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p, "optimizer (Adam m, v fp32)": 8.0 * p}
-        if plan.precision in ("bf16", "fp16") and plan.grad_accum > 1:
-            states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
-        return states, 0.0
+        return _single_process_states(model, plan), 0.0
     # DeepSpeed keeps 16-bit weights and an fp32 master copy inside its optimizer, partitioned by stage.
-    weights = 2.0 * p / (n if plan.deepspeed == "zero3" else 1)
-    grads = 2.0 * p / n
-    optimizer = 12.0 * p / n  # fp32 master + m + v
+    weights = 2.0 * p / (n if plan.shards_parameters else 1)
+    grads = 2.0 * p / (n if plan.shards_gradients else 1)
+    if plan.shards_parameters and plan.offloads_optimizer:
+        # ZeRO-3 with optimizer offload reduces gradients through GPU buckets (reduce_bucket_size: hidden^2 under
+        # LLaMA-Factory's "auto") straight into a host buffer (stage3.py grad_partitions_flat_buffer on the CPU);
+        # matches the offload-all runs: 6.7B width 42.6 vs 44.3 GiB measured, 1.3B 83.3 vs 85.1 (bench/README.md)
+        grads = 2.0 * 2 * model.hidden_size ** 2
+    optimizer = 12.0 * p / n  # fp32 master + m + v (every ZeRO stage shards them)
     offloaded = 0.0
-    if plan.offload in ("optimizer", "all"):
+    if plan.offloads_optimizer:
         offloaded += optimizer + 4.0 * p / n  # fp32 grads for the CPU Adam step
         optimizer = 0.0
-    if plan.offload == "all" and plan.deepspeed == "zero3":
+    if plan.offloads_parameters:
         offloaded += weights
         weights = 0.0
-    states = {"weights (16-bit)": weights, "gradients (16-bit, partitioned)": grads,
+    grads_name = ("gradients (16-bit reduce buckets; partitions go to the host)"
+                  if plan.shards_parameters and plan.offloads_optimizer else
+                  "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")"))
+    states = {"weights (16-bit)": weights, grads_name: grads,
               "optimizer (fp32 master + Adam, partitioned)": optimizer}
-    if plan.deepspeed == "zero3":
+    if plan.shards_parameters:
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
     if n > 1:
         states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / n
@@ -120,13 +154,15 @@ def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
     activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
-    if plan.grad_accum == 1 and not plan.gradient_checkpointing and not plan.shards_optimizer:
+    floor = sum(states.values()) if plan.deepspeed is None and plan.sharding != Sharding.FSDP2 else 0.0
+    if plan.grad_accum == 1 and not plan.gradient_checkpointing and "gradients (fp32)" in states:
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
         states["gradients (fp32)"] *= 0.5
     items = {k: v / GIB for k, v in {**states, **activations}.items() if v > 0}
     items["allocator/CUDA workspace"] = coefficients()["allocator"]["allocated_overhead_gib"]
-    allocated = max(sum(items.values()), 16.0 * model.num_params / GIB if not plan.shards_optimizer else 0.0)
+    # never less than the model states themselves (the optimizer step holds them all at once)
+    allocated = max(sum(items.values()), floor / GIB)
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
         # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
@@ -178,15 +214,71 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
     elif plan.deepspeed != "zero3":
         loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
     training = dict(runtime)
-    if plan.offload in ("optimizer", "all") and plan.deepspeed:
-        per_param = c["zero3_offload_bytes_per_param" if plan.deepspeed == "zero3" else "zero2_offload_bytes_per_param"]
+    if plan.offloads_to_nvme:
+        training.update({f"{k} x ranks": v * ranks / GIB for k, v in nvme_host_bytes(model, plan).items()})
+    elif plan.offloads_optimizer and plan.deepspeed:
+        per_param = c["zero3_offload_bytes_per_param" if plan.shards_parameters else "zero2_offload_bytes_per_param"]
         training["offloaded optimizer states (fp32 master, grads, Adam) x ranks"] = per_param * partition * ranks / GIB
-        if plan.deepspeed != "zero3" and plan.grad_accum > 1:
+        if not plan.shards_parameters and plan.grad_accum > 1:
             training["pinned 16-bit accumulation buffers x ranks"] = \
                 c["accumulation_bytes_per_param"] * partition * ranks / GIB
     phase, items = max((("loading", loading), ("training", training)), key=lambda kv: sum(kv[1].values()))
     ram = ram_gib if ram_gib is not None else (hardware.ram_gib or None)
     return HostMemory(items=items, phase=phase, ram_gib=ram, headroom=c["headroom"])
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    """What lfa writes into the DeepSpeed JSON of an NVMe offload plan (catalog/memory_model.yaml: nvme)."""
+    sub_group_size: int
+    optimizer_buffer_count: int
+    param_buffer_count: int
+    param_buffer_size: int  # elements; at least the largest parameter tensor
+    param_max_in_cpu: int
+    aio_block_size: int
+    aio_queue_depth: int
+    aio_intra_op_parallelism: int
+
+
+def nvme_settings(model: ModelSpec) -> NvmeSettings:
+    c = coefficients()["nvme"]
+    largest_tensor = max(model.embedding_params, model.hidden_size * model.intermediate_size)
+    return NvmeSettings(sub_group_size=int(c["sub_group_size"]), optimizer_buffer_count=int(c["optimizer_buffer_count"]),
+                        param_buffer_count=int(c["param_buffer_count"]),
+                        param_buffer_size=int(max(c["param_buffer_elements"], largest_tensor)),
+                        param_max_in_cpu=int(c["param_max_in_cpu"]), aio_block_size=int(c["aio_block_size"]),
+                        aio_queue_depth=int(c["aio_queue_depth"]),
+                        aio_intra_op_parallelism=int(c["aio_intra_op_parallelism"]))
+
+
+def nvme_host_bytes(model: ModelSpec, plan: Plan) -> dict[str, float]:
+    """Host memory of one rank under NVMe offload (bytes), by construction from DeepSpeed 0.19.8's code."""
+    settings = nvme_settings(model)
+    partition = model.num_params / plan.world_size
+    sub_group = min(settings.sub_group_size, partition)
+    items = {"pinned 16-bit gradient partition (ZeRO-3 offload)": 2.0 * partition,
+             "pinned fp32 NVMe swap buffers (optimizer)": settings.optimizer_buffer_count * sub_group * 4.0,
+             "fp32 gradients of one sub-group on their way to the disk": sub_group * 4.0}
+    if plan.offloads_parameters:
+        items["pinned 16-bit NVMe swap buffers (parameters)"] = \
+            settings.param_buffer_count * settings.param_buffer_size * 2.0
+        items["16-bit parameters kept in host memory (max_in_cpu)"] = min(settings.param_max_in_cpu, partition) * 2.0
+    return items
+
+
+def disk_gib(model: ModelSpec, plan: Plan) -> float:
+    """Disk one node's NVMe offload swaps to (GiB); 0 for every other plan."""
+    if not plan.offloads_to_nvme:
+        return 0.0
+    c = coefficients()["nvme"]
+    per_param = c["disk_bytes_per_param_optimizer"] + (c["disk_bytes_per_param_parameters"]
+                                                       if plan.offloads_parameters else 0.0)
+    ranks = max(1, plan.world_size // max(1, plan.nodes))
+    return per_param * model.num_params / plan.world_size * ranks / GIB
+
+
+def disk_limit_gib(free_gib: float) -> float:
+    return free_gib * (1.0 - coefficients()["nvme"]["disk_headroom"])
 
 
 def fit_activation_scale(model: ModelSpec, plan: Plan, seq_len: int, needed_allocated_gib: float) -> float:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .strategy import (ATTENTIONS, DEEPSPEED_STAGES, LAUNCHERS, PRECISIONS, SHARDS_GRADIENTS, SHARDS_OPTIMIZER,
-                       SHARDS_PARAMETERS, Offload, Sharding, normalized_sharding)
+from .strategy import (ATTENTIONS, DEEPSPEED_STAGES, LAUNCHERS, OFFLOADS, PRECISIONS, SHARDS_GRADIENTS,
+                       SHARDS_OPTIMIZER, SHARDS_PARAMETERS, Offload, OffloadKind, Optimizer, Sharding,
+                       normalized_sharding)
 
 
 # lfa's attention names -> LLaMA-Factory's flash_attn values (AttentionFunction: auto, disabled, sdpa, fa2, fa3);
@@ -26,7 +27,8 @@ class Plan:
     liger: bool = False
     attention: str = "sdpa"  # strategy.ATTENTIONS
     sharding: str = "none"  # strategy.Sharding: none (one process) | ddp | zero1 | zero2 | zero3 | fsdp2
-    offload: str = "none"  # strategy.Offload: none | optimizer | all
+    offload: str = "none"  # strategy.Offload: none | optimizer | all | nvme-optimizer | nvme-all
+    optimizer: str = "adamw"  # strategy.Optimizer: adamw (the paper's) | adamw_8bit | badam (opt-in only)
     packing: bool = False
     padding_free: bool = False  # each micro-batch's rows flattened, attention per row (lfa plugin, LFA_PADDING_FREE)
     sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
@@ -40,6 +42,7 @@ class Plan:
                 raise ValueError(f"{name} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
         object.__setattr__(self, "sharding", normalized_sharding(self.sharding, self.world_size))
         object.__setattr__(self, "offload", Offload.parse(self.offload, "offload"))
+        object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer, "optimizer"))
 
     @property
     def deepspeed(self) -> str | None:
@@ -49,6 +52,27 @@ class Plan:
     @property
     def deepspeed_stage(self) -> int | None:
         return DEEPSPEED_STAGES.get(self.sharding)
+
+    @property
+    def offload_kind(self) -> OffloadKind:
+        return OFFLOADS[self.offload]
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_kind.optimizer
+
+    @property
+    def offloads_parameters(self) -> bool:
+        return self.offload_kind.parameters
+
+    @property
+    def offloads_to_nvme(self) -> bool:
+        return self.offload_kind.device == "nvme"
+
+    @property
+    def changes_optimizer(self) -> bool:
+        """Not the paper's AdamW: what is trained changes (opt-in only)."""
+        return self.optimizer != Optimizer.ADAMW
 
     @property
     def shards_parameters(self) -> bool:
@@ -88,7 +112,8 @@ class Plan:
         stage = next((p for p in parts if p.startswith(("zero", "fsdp"))), "")
         sharding, _, offload = stage.partition("-offload-")
         attention = next((p for p in parts if p in ATTENTIONS), "sdpa")
-        return cls(precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
+        optimizer = next((p for p in parts if p in {o.value for o in Optimizer}), "adamw")
+        return cls(optimizer=optimizer, precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
                    gradient_checkpointing=parts[2] == "gc", liger="liger" in parts, attention=attention,
                    sharding=sharding or "none", offload=offload or "none", packing="packing" in parts,
                    padding_free="padfree" in parts,
@@ -102,6 +127,8 @@ class Plan:
         parts.append(self.attention)
         if self.sharding not in (Sharding.NONE, Sharding.DDP):
             parts.append(self.sharding + ("" if self.offload == "none" else f"-offload-{self.offload}"))
+        if self.changes_optimizer:
+            parts.append(self.optimizer)
         if self.packing:
             parts.append("packing")
         if self.padding_free:

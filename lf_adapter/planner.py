@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
-from .memory import DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, estimate, host_memory
+from .memory import DEFAULT_HEADROOM, coefficients, HostMemory, MemoryBreakdown, disk_gib, disk_limit_gib, estimate, host_memory
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 from .throughput import predict_tokens_per_s
-from .strategy import normalized_sharding, violations
+from .strategy import Offload, Optimizer, normalized_sharding, violations
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -33,6 +33,13 @@ class PlanOptions:
     vram_gib: float | None = None  # usable GPU memory (default: the profile's)
     ram_gib: float | None = None  # host RAM of a node (default: the profile's)
     below_reserved_gib: float | None = None  # only plans predicted to need less than the one that failed
+    allow_optimizer_change: bool = False  # memory-light optimizers (8-bit AdamW, BAdam) may be chosen
+
+
+def allowed_optimizers(options: PlanOptions) -> tuple[str, ...]:
+    if options.fixed.get("optimizer"):
+        return (options.fixed["optimizer"],)
+    return tuple(o.value for o in Optimizer) if options.allow_optimizer_change else (Optimizer.ADAMW.value,)
 
 
 @dataclass
@@ -41,14 +48,32 @@ class Candidate:
     memory: MemoryBreakdown
     tokens_per_s: float  # predicted non-pad tokens per second, whole job
     host: HostMemory = field(default_factory=HostMemory)
+    disk_gib: float = 0.0  # what NVMe offload swaps to the node's disk
+    disk_free_gib: float | None = None  # the profile's disk (None: no disk declared)
+
+    @property
+    def disk_fits(self) -> bool:
+        if self.disk_gib <= 0:
+            return True
+        return self.disk_free_gib is not None and self.disk_gib <= disk_limit_gib(self.disk_free_gib)
 
     @property
     def fits(self) -> bool:
-        return self.memory.fits and self.host.fits
+        return self.memory.fits and self.host.fits and self.disk_fits
+
+    def step_s(self, seq_len: int, mean_seq_fraction: float) -> float:
+        """Predicted seconds per optimizer step (the effective batch of rows)."""
+        tokens = self.plan.effective_batch_size * seq_len * (1.0 if self.plan.packing else mean_seq_fraction)
+        return tokens / self.tokens_per_s
 
 
 class NoPlanFits(UserError):
-    """No plan fits GPU and host memory together; the message says what would."""
+    """No allowed plan fits GPU, host and disk together; the message says what would. `priced` holds every plan
+    that was priced (opt-in optimizers included) for the report of what runs on this machine."""
+
+    def __init__(self, message: str, priced: list[Candidate] | None = None):
+        super().__init__(message)
+        self.priced = priced or []
 
 
 @dataclass
@@ -56,6 +81,7 @@ class PlanResult:
     chosen: Candidate
     runners_up: list[Candidate]
     rejected: list[Candidate]
+    priced: list[Candidate] = field(default_factory=list)  # every plan priced, opt-in optimizers included
 
 
 def pick_precision(hardware: HardwareProfile) -> tuple[str, str]:
@@ -92,21 +118,30 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
         ds = [("fsdp2", "none")]
     elif on_cpu or not options.allow_deepspeed:
         ds = [(None, "none")]
-    elif world == 1:  # on one GPU DeepSpeed only pays when it offloads model states (plan() prefers no DeepSpeed)
-        ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "all")]
+    elif world == 1:
+        # on one GPU ZeRO shards nothing and adds its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB
+        # died allocating a 25 GiB fp32 copy): DeepSpeed only when it offloads, unless pinned
+        ds = [(None, "none"), ("zero2", "optimizer"), ("zero3", "all")]
+        if "sharding" in options.fixed or "deepspeed" in options.fixed:
+            ds += [("zero2", "none"), ("zero3", "none")]
     else:
         ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
               ("zero3", "all")]
+    if hardware.disk is not None and not hardware.disk.rotational and not on_cpu and options.allow_deepspeed:
+        ds += [("zero3", Offload.NVME_OPTIMIZER.value), ("zero3", Offload.NVME_ALL.value)]
+    # every optimizer is priced (the report shows what an opt-in would give); plan() chooses among the allowed
+    optimizers = [options.fixed["optimizer"]] if options.fixed.get("optimizer") else [o.value for o in Optimizer]
     fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
                                  if "sharding" in options.fixed else {})}
-    for mbs, gc, lg, attn, (stage, offload), pack, pf in itertools.product(
-            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free):
+    for mbs, gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
+            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free,
+            optimizers):
         plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
                     world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
                     attention=attn, sharding=stage or "none", offload=offload, packing=pack,
                     padding_free=pf, sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
                     alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
-                    launcher=options.launcher)
+                    launcher=options.launcher, optimizer=optimizer)
         if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             continue
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
@@ -129,7 +164,7 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
     best = max(c.tokens_per_s for c in fitting)
 
     def key(c: Candidate):
-        simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none")
+        simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none") + c.plan.offloads_to_nvme
         tied = c.tokens_per_s >= best * (1.0 - NEAR_TIE)
         return (not tied, simplicity if tied else 0, -c.plan.micro_batch_size if tied else 0, -c.tokens_per_s,
                 c.memory.reserved_gib)
@@ -143,7 +178,8 @@ def predict(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: in
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
     fraction = 1.0 if plan.packing else mean_seq_fraction
     return Candidate(plan, estimate(model, plan, seq_len, vram),
-                     predict_tokens_per_s(model, plan, hardware, seq_len, fraction), host_memory(model, plan, hardware))
+                     predict_tokens_per_s(model, plan, hardware, seq_len, fraction), host_memory(model, plan, hardware),
+                     disk_gib(model, plan), hardware.disk.free_gib if hardware.disk else None)
 
 
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
@@ -160,25 +196,116 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
         seen.add(p)
         mem = estimate(model, p, seq_len, vram, options.headroom, options.activation_scale)
         candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len, options.mean_seq_fraction),
-                                    host_memory(model, p, hardware, options.ram_gib)))
+                                    host_memory(model, p, hardware, options.ram_gib), disk_gib(model, p),
+                                    hardware.disk.free_gib if hardware.disk else None))
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
         raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})" +
                         "".join(f"; {why}" for why in sorted(forbidden)))
     below = options.below_reserved_gib
-    fitting = [c for c in candidates if c.fits and (below is None or c.memory.reserved_gib < below)]
-    if hardware.world_size == 1 and any(c.plan.deepspeed is None for c in fitting):
-        # one GPU: DeepSpeed (offload) only when the model states need it; its CPU Adam and PCIe copies are
-        # hard to predict and it is one more package and launcher that can fail
-        fitting = [c for c in fitting if c.plan.deepspeed is None]
+    allowed = allowed_optimizers(options)
+    fitting = [c for c in candidates if c.fits and (below is None or c.memory.reserved_gib < below)
+               and c.plan.optimizer in allowed]
+    if hardware.world_size == 1:
+        # one GPU: DeepSpeed (offload) only when the model states need it with the same optimizer; its CPU Adam
+        # and PCIe copies are hard to predict and it is one more package and launcher that can fail
+        plain = {c.plan.optimizer for c in fitting if c.plan.deepspeed is None}
+        fitting = [c for c in fitting if c.plan.deepspeed is None or c.plan.optimizer not in plain]
     fitting = rank(fitting)
-    rejected = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.reserved_gib)
+    rejected = sorted((c for c in candidates if not c.fits and c.plan.optimizer in allowed),
+                      key=lambda c: c.memory.reserved_gib)
     if not fitting:
-        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, candidates, suggest))
+        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, candidates, suggest),
+                         priced=candidates)
     chosen = fitting[0]
-    return PlanResult(chosen=Candidate(explain(chosen, hardware, options, fitting), chosen.memory, chosen.tokens_per_s,
-                                       chosen.host),
-                      runners_up=fitting[1:6], rejected=rejected[:5])
+    return PlanResult(chosen=dataclasses.replace(chosen, plan=explain(chosen, hardware, options, fitting)),
+                      runners_up=fitting[1:6], rejected=rejected[:5], priced=candidates)
+
+
+@dataclass(frozen=True)
+class MachineOption:
+    """One way to run the job on this machine, for the listing of what runs here."""
+    kind: str  # "exact" | "opt-in optimizer"
+    candidate: Candidate
+    why_not: str | None = None  # None: it fits
+
+    @property
+    def fits(self) -> bool:
+        return self.why_not is None
+
+
+def _why_not(c: Candidate) -> str | None:
+    if c.fits:
+        return None
+    parts = []
+    if not c.memory.fits:
+        parts.append(f"GPU {c.memory.reserved_gib:.1f} > {c.memory.limit_gib:.1f} GiB")
+    if not c.host.fits:
+        parts.append(f"host {c.host.total_gib:.1f} > {c.host.limit_gib:.1f} GiB")
+    if not c.disk_fits:
+        parts.append(f"disk {c.disk_gib:.0f} GiB > {disk_limit_gib(c.disk_free_gib):.0f} usable"
+                     if c.disk_free_gib is not None else "no disk declared in the profile")
+    return "does not fit: " + ", ".join(parts)
+
+
+def machine_options(priced: list[Candidate]) -> list[MachineOption]:
+    """What runs on this machine: the fastest fitting plan of each strategy (sharding x offload) with AdamW, exact
+    plans first; then each memory-light optimizer (opt-in: they change what is trained), its fastest fitting plan or,
+    when none fits, its lightest and why."""
+    exact: dict[tuple[str, str], Candidate] = {}
+    for c in rank([c for c in priced if c.fits and not c.plan.changes_optimizer]):
+        exact.setdefault((c.plan.sharding, c.plan.offload), c)
+    rows = [MachineOption("exact", c) for c in sorted(exact.values(), key=lambda c: -c.tokens_per_s)]
+    for optimizer in (o for o in Optimizer if o != Optimizer.ADAMW):
+        mine = [c for c in priced if c.plan.optimizer == optimizer]
+        if not mine:
+            continue
+        fitting = rank([c for c in mine if c.fits])
+        best = fitting[0] if fitting else min(mine, key=lambda c: c.memory.reserved_gib)
+        rows.append(MachineOption("opt-in optimizer", best, _why_not(best)))
+    return rows
+
+
+def wall_time_s(c: Candidate, rows: int, epochs: float, seq_len: int, mean_seq_fraction: float) -> float:
+    """Predicted seconds for the whole run: every optimizer step of `epochs` passes over `rows` rows (the trainer
+    runs a last, partial step per epoch)."""
+    import math
+    steps = math.ceil(rows / c.plan.effective_batch_size) * epochs
+    return steps * c.step_s(seq_len, mean_seq_fraction)
+
+
+def _duration(seconds: float) -> str:
+    hours = seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
+
+
+def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_fraction: float,
+                           rows: int | None, epochs: float, speed_basis: str) -> list[str]:
+    """The listing of what runs on this machine: GPU, host and disk use, predicted speed, step and wall time."""
+    if not options:
+        return []
+    span = (f"{epochs:g} epochs of {rows:,} rows" if rows else
+            f"{epochs:g} epochs per 100,000 rows (pass --dataset for your data's figure)")
+    lines = [f"what runs on this machine (PREDICTED: GPU / host / disk GiB, tokens/s, one optimizer step, "
+             f"{span}):"]
+    for o in options:
+        c = o.candidate
+        wall = wall_time_s(c, rows or 100_000, epochs, seq_len, mean_seq_fraction)
+        tag = "exact" if o.kind == "exact" else "OPT-IN, changes what is trained"
+        lines.append(f"  [{tag}] {c.plan.label()}: {c.memory.reserved_gib:.1f} / {c.host.total_gib:.1f} / "
+                     f"{c.disk_gib:.0f} GiB, {c.tokens_per_s:,.0f} tok/s, {c.step_s(seq_len, mean_seq_fraction):,.0f} s "
+                     f"per step, {_duration(wall)}" + (f" -- {o.why_not}" if o.why_not else ""))
+    exact = [o.candidate for o in options if o.kind == "exact"]
+    light = [o.candidate for o in options if o.kind != "exact" and o.fits]
+    if exact and light and max(c.tokens_per_s for c in light) > 2 * max(c.tokens_per_s for c in exact):
+        ratio = max(c.tokens_per_s for c in light) / max(c.tokens_per_s for c in exact)
+        lines.append(f"  note: the fastest opt-in optimizer is predicted {ratio:.1f}x faster than the fastest exact "
+                     "plan here; --allow-optimizer-change (or --pin optimizer=NAME) lets lfa take it, at the cost of "
+                     "not training with the paper's AdamW")
+    if not exact:
+        lines.append("  no exact plan (the paper's AdamW) fits: an opt-in optimizer above, or the hardware below")
+    lines.append(f"  speed rests on: {speed_basis}")
+    return lines
 
 
 def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
@@ -198,13 +325,18 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
     if options.activation_scale > 1.0:
         lines.append(f"(activations scaled x{options.activation_scale:.2f} to match the OOM this run showed)")
     if gpu_fitting:
-        best_host = min(gpu_fitting, key=lambda c: c.host.total_gib)
+        best_host = min(gpu_fitting, key=lambda c: (c.host.total_gib, c.disk_gib))
         lines.append(f"  lightest on the GPU: {best_host.plan.label()} at {best_host.memory.reserved_gib:.1f} GiB, "
-                     f"but it needs {best_host.host.total_gib:.1f} GiB of host RAM "
-                     f"({best_host.host.limit_gib or 0:.1f} usable): " +
+                     f"but it {_why_not(best_host)}; host RAM: " +
                      ", ".join(f"{k} {v:.1f}" for k, v in best_host.host.items.items()))
-        need_ram = best_host.host.total_gib / (1.0 - best_host.host.headroom)
-        lines.append(f"  would fit: the same GPU with {need_ram:.0f} GiB of host RAM")
+        if not best_host.host.fits:
+            need_ram = best_host.host.total_gib / (1.0 - best_host.host.headroom)
+            lines.append(f"  would fit: the same GPU with {need_ram:.0f} GiB of host RAM (declare it as ram_gib in a "
+                         "profile: lfa detect --save FILE, then --hardware FILE)")
+        if not best_host.disk_fits:
+            need_disk = best_host.disk_gib / (1.0 - coefficients()["nvme"]["disk_headroom"])
+            lines.append(f"  would fit: {need_disk:.0f} GiB free at the swap folder (lfa generate --nvme-path DIR on a "
+                         "larger local disk)")
     else:
         lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
     if not suggest:
@@ -236,6 +368,16 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
     return "\n".join(lines)
 
 
+OPTIMIZER_REASONS = {
+    Optimizer.ADAMW: "AdamW, the paper's optimizer",
+    Optimizer.ADAMW_8BIT: ("8-bit AdamW (bitsandbytes, opt-in): Adam moments quantized block-wise to 8 bits, 2 B/param "
+                           "instead of 8; CHANGES WHAT IS TRAINED (not the paper's AdamW)"),
+    Optimizer.BADAM: ("BAdam (opt-in): block coordinate descent, one decoder layer trained at a time with Adam "
+                      "(switching every 50 steps), the model kept in half precision; CHANGES WHAT IS TRAINED (not "
+                      "the paper's AdamW; each layer sees 1/L of the updates); speed priced as a full backward"),
+}
+
+
 def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]) -> Plan:
     p = c.plan
     _, precision_reason = pick_precision(hardware)
@@ -259,7 +401,10 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       "fa2": "fa2: flash-attn is installed", "eager": "eager: fits and is as fast here",
                       "auto": "auto"}[p.attention],
         "deepspeed": (f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
-                      "through torchrun (FORCE_TORCHRUN=1)" if p.deepspeed else
+                      "through torchrun (FORCE_TORCHRUN=1)" + (
+                          f"; fp32 master weights, Adam moments and fp32 gradients ({c.disk_gib:.0f} GiB) are swapped "
+                          f"to {hardware.disk.path} and stream through host buffers every optimizer step "
+                          "(ZeRO-Infinity)" if p.offloads_to_nvme and hardware.disk else "") if p.deepspeed else
                       f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
                       f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
                       "speed priced as ZeRO-3 (not measured)" + ("; NOTE on a CPU accelerate runs this as plain "
@@ -285,6 +430,7 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       "expandable segments let the caching allocator reuse memory instead of fragmenting it and "
                       "retrying (synchronizing cudaFree/cudaMalloc) near the limit" if p.alloc_conf else
                       "default caching allocator"),
+        "optimizer": OPTIMIZER_REASONS[p.optimizer],
         "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s; {len(fitting)} plans fit",
     }
     return p.replace(reasons=reasons)

@@ -38,6 +38,35 @@ class Offload(_Vocabulary):
     NONE = "none"
     OPTIMIZER = "optimizer"  # DeepSpeed ZeRO-Offload: fp32 master + Adam on the host, CPU Adam
     ALL = "all"  # + parameters (ZeRO-3 only)
+    NVME_OPTIMIZER = "nvme-optimizer"  # ZeRO-Infinity: fp32 master, Adam and fp32 grads on a local disk (ZeRO-3)
+    NVME_ALL = "nvme-all"  # + 16-bit parameters on the disk (ZeRO-3)
+
+
+OffloadDevice = Literal["gpu", "cpu", "nvme"]
+
+
+@dataclass(frozen=True)
+class OffloadKind:
+    """Where one Offload value puts the model states: the DeepSpeed device and what moves there."""
+    device: OffloadDevice  # "gpu": nothing leaves the GPU
+    optimizer: bool  # fp32 master weights + Adam moments (+ fp32 gradients) leave the GPU; CPU Adam steps them
+    parameters: bool  # the 16-bit parameters leave the GPU between uses (ZeRO-3 gathers them per module)
+
+
+OFFLOADS: dict[str, OffloadKind] = {
+    Offload.NONE: OffloadKind("gpu", optimizer=False, parameters=False),
+    Offload.OPTIMIZER: OffloadKind("cpu", optimizer=True, parameters=False),
+    Offload.ALL: OffloadKind("cpu", optimizer=True, parameters=True),
+    Offload.NVME_OPTIMIZER: OffloadKind("nvme", optimizer=True, parameters=False),
+    Offload.NVME_ALL: OffloadKind("nvme", optimizer=True, parameters=True),
+}
+
+
+class Optimizer(_Vocabulary):
+    """What updates the weights. Only ADAMW is the paper's; the others change what is trained (opt-in)."""
+    ADAMW = "adamw"  # torch AdamW (DeepSpeed's CPU Adam under offload): fp32 moments
+    ADAMW_8BIT = "adamw_8bit"  # bitsandbytes AdamW with 8-bit block-wise quantized moments (optim: adamw_bnb_8bit)
+    BADAM = "badam"  # BAdam: block coordinate descent, Adam states for one decoder layer at a time (use_badam)
 
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -48,6 +77,7 @@ ATTENTIONS: tuple[str, ...] = ("sdpa", "fa2", "fa3", "eager", "auto")
 LAUNCHERS: tuple[str, ...] = ("torchrun", "ray")
 
 DEEPSPEED_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
+SHARDING_OF_STAGE = {stage: sharding.value for sharding, stage in DEEPSPEED_STAGES.items()}
 # what each strategy divides by the number of processes
 SHARDS_OPTIMIZER = frozenset({Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
 SHARDS_GRADIENTS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
@@ -79,9 +109,18 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint("offload_needs_deepspeed", lambda p: p.offload != Offload.NONE and p.sharding not in DEEPSPEED_STAGES,
                "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
                "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload", "deepspeed"),
-    Constraint("parameter_offload_needs_zero3", lambda p: p.offload == Offload.ALL and p.sharding != Sharding.ZERO3,
+    Constraint("parameter_offload_needs_zero3",
+               lambda p: OFFLOADS[p.offload].parameters and p.sharding != Sharding.ZERO3,
                "parameters can only be offloaded when ZeRO-3 partitions them", "use ZeRO-3 or offload the optimizer only",
                "deepspeed"),
+    Constraint("nvme_offload_needs_zero3",
+               lambda p: OFFLOADS[p.offload].device == "nvme" and p.sharding != Sharding.ZERO3,
+               "DeepSpeed swaps optimizer states to NVMe only in ZeRO-3 (stage_1_and_2.py has no swapper; 0.19.8)",
+               "use ZeRO-3 for NVMe offload", "deepspeed"),
+    Constraint("optimizer_change_with_deepspeed", lambda p: p.optimizer != Optimizer.ADAMW and p.sharding != Sharding.NONE,
+               "lfa prices 8-bit AdamW and BAdam on one process only (BAdam does not run under DeepSpeed or FSDP; "
+               "8-bit AdamW's states would be sharded differently)", "use AdamW, or one GPU without DeepSpeed",
+               "optim"),
     Constraint("padding_free_with_packing", lambda p: p.padding_free and p.packing,
                "packing already leaves no padding (and mixes rows); padding-free keeps rows apart without it",
                "use one of them", "packing"),

@@ -48,27 +48,53 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather
         # FSDP2 uses ZeRO-3's measured hook cost until it is measured itself (speed_basis says so)
         zero3_fetch_s += t["zero3_hook_s_per_layer"] * model.num_layers
-    if plan.shards_parameters and plan.offload == "all":
+    if plan.offloads_parameters and plan.offloads_to_nvme:  # every layer read from the disk, forward and backward
+        zero3_fetch_s += 2 * 2.0 * model.num_params / disk_bytes_per_s(hardware)[0]
+    elif plan.offloads_parameters:
         zero3_fetch_s += 2 * 2.0 * model.num_params / host_link_bytes_per_s(hardware)
     elif plan.shards_parameters and plan.world_size > 1:
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
-    if plan.offload != "none":  # CPU Adam over the partition; 16-bit gradients down and parameters back up
+    if plan.offloads_to_nvme:
+        step_s += nvme_step_s(model, plan, hardware)
+    if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up
         link = host_link_bytes_per_s(hardware)
         step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / link
-        if plan.deepspeed != "zero3" and plan.grad_accum > 1:
+        if not plan.shards_parameters and plan.grad_accum > 1:
             # ZeRO-1/2 offload accumulates in pinned host buffers: after the first micro-batch each one copies the
             # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
             # async_accumulate_grad_in_cpu_via_gpu)
             step_s += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
-        elif plan.deepspeed == "zero3" and plan.grad_accum > 1:
+        elif plan.shards_parameters and plan.grad_accum > 1:
             # ZeRO-3 offload adds every micro-batch's gradient partition into the fp32 host copy (a CPU pass)
             step_s += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
     if plan.world_size > 1:
         step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
     return real_tokens * plan.grad_accum * plan.world_size / step_s
+
+
+def disk_bytes_per_s(hardware: HardwareProfile) -> tuple[float, float]:
+    """(read, write) bytes/s of the profile's disk; the measured H200 device's disk when the profile has no rates."""
+    c = coefficients()["nvme"]
+    disk = hardware.disk
+    if disk is not None and disk.known_rates:
+        return disk.read_gbs * 1e9, disk.write_gbs * 1e9
+    return c["default_read_gbs"] * 1e9, c["default_write_gbs"] * 1e9
+
+
+def nvme_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> float:
+    """Disk time of one optimizer step under NVMe offload (each rank swaps its partition; ranks of a node share
+    the disk): every sub-group's p, m, v, g read and p, m, v, g written, not overlapped with each other or with
+    CPU Adam (DeepSpeed's pipeline_read/write are off)."""
+    c = coefficients()["nvme"]
+    read, write = disk_bytes_per_s(hardware)
+    node_params = model.num_params / max(1, plan.nodes)
+    seconds = node_params * (c["step_read_bytes_per_param"] / read + c["step_write_bytes_per_param"] / write)
+    if plan.offloads_parameters:  # the updated 16-bit parameters go back to the disk
+        seconds += node_params * c["disk_bytes_per_param_parameters"] / write
+    return seconds
 
 
 def _link_bytes_per_s(hardware: HardwareProfile) -> float:
@@ -84,6 +110,17 @@ def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
     return gbs * 1e9 * t["host_link_efficiency"] if gbs else t["pcie_bytes_per_s"]
 
 
+def nvme_basis(hardware: HardwareProfile) -> str:
+    disk = hardware.disk
+    if disk is not None and disk.known_rates:
+        rates = f"the profile's disk at {disk.read_gbs:g} GB/s read, {disk.write_gbs:g} GB/s write ({disk.source or 'source not given'})"
+    else:
+        c = coefficients()["nvme"]
+        rates = (f"no measured disk rates in the profile: the H200 device's {c['default_read_gbs']:g} / "
+                 f"{c['default_write_gbs']:g} GB/s (lfa detect --measure-disk --save measures yours)")
+    return f"NVMe offload's step streams 32 B/param through {rates}; disk model by construction (bench/README.md)"
+
+
 def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     """What a speed and wall-time prediction rests on: the throughput model was fitted on H200 runs only."""
     if not hardware.has_gpu:
@@ -93,10 +130,13 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
              f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
     if plan.offload != "none":
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
+    if plan.offloads_to_nvme:
+        basis += "; " + nvme_basis(hardware)
     if plan.sharding == "fsdp2":
         basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
     if "H200" in gpu.name:
         caveats = [text for applies, text in (
+            (plan.offloads_to_nvme, nvme_basis(hardware)),
             (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
             (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
             (plan.sharding == "fsdp2", "FSDP2 priced as ZeRO-3 (not measured)")) if applies]

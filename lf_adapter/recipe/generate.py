@@ -10,14 +10,15 @@ import yaml
 
 from .. import UserError
 from ..data import DatasetProfile, profile_dataset
-from ..hardware import HardwareProfile, installed_versions, load_profile
+from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile
 from ..model_spec import ModelSpec, load_model_spec
 from ..memory import host_memory
 from ..plan import LF_FLASH_ATTN
-from ..strategy import Sharding
-from ..planner import PlanOptions, PlanResult, plan
+from ..strategy import Offload, Optimizer, Sharding
+from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
+from ..throughput import speed_basis
 from .read import load_recipe, parse_value
-from .render import RecipeInputs, relative_to_dir, render_recipe
+from .render import RecipeInputs, nvme_setup, relative_to_dir, render_recipe
 from ..tasks import TaskSpec, load_task
 
 LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
@@ -46,6 +47,8 @@ class GenerateRequest:
     name: str = "train"
     command: str = ""
     report_to: str = "none"  # a key of launch.REPORT_TO
+    allow_optimizer_change: bool = False  # memory-light optimizers may be chosen (they change what is trained)
+    nvme_path: str | None = None  # NVMe offload's swap folder instead of the profile's disk path
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Generated:
     task: TaskSpec
     dataset: DatasetProfile | None = None
     hyperparameters: dict | None = None
+    listing: list[str] = dataclasses.field(default_factory=list)  # what runs on this machine
 
 
 def parse_sets(sets: tuple[str, ...]) -> dict:
@@ -70,7 +74,8 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
 
 
 PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bool, "attention": str,
-            "deepspeed": str, "sharding": str, "offload": str, "alloc_conf": str, "padding_free": bool}
+            "deepspeed": str, "sharding": str, "offload": str, "optimizer": str, "alloc_conf": str,
+            "padding_free": bool}
 
 
 # what each task hyper-parameter must be; (type, lowest allowed value)
@@ -116,8 +121,12 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
             raise UserError(str(exc)) from None
     if fixed.get("attention", "sdpa") not in LF_FLASH_ATTN:
         raise UserError(f"--pin attention={fixed['attention']}: use one of {', '.join(LF_FLASH_ATTN)}")
-    if fixed.get("offload", "none") not in ("none", "optimizer", "all"):
-        raise UserError(f"--pin offload={fixed['offload']}: use none, optimizer or all")
+    for key, vocabulary in (("offload", Offload), ("optimizer", Optimizer)):
+        if key in fixed:
+            try:
+                vocabulary.parse(fixed[key], f"--pin {key}")
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
     return fixed
 
 
@@ -134,9 +143,30 @@ def _stage1_model(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
     return output, str(stage1_model) if stage1_model.is_dir() else str(recipe.data["model_name_or_path"])
 
 
+def with_swap_folder(hardware: HardwareProfile, folder: str) -> HardwareProfile:
+    """The profile with NVMe offload swapping to `folder`: its free space is measured when the folder (or the
+    nearest existing folder above it) is on this machine, else the profile's disk figures are kept."""
+    import shutil
+
+    existing = Path(folder).expanduser()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    disk = hardware.disk or DiskSpec(path=folder, free_gib=0.0, source="--nvme-path")
+    try:
+        free = round(shutil.disk_usage(existing).free / 2**30, 1)
+        disk = dataclasses.replace(disk, path=folder, free_gib=free,
+                                   source=(disk.source + "; " if disk.source else "") +
+                                   f"free space measured at {existing} by lfa generate")
+    except OSError:
+        disk = dataclasses.replace(disk, path=folder)
+    return dataclasses.replace(hardware, disk=disk)
+
+
 def generate(request: GenerateRequest) -> Generated:
     task = load_task(request.task)
     hardware = load_profile(request.hardware)
+    if request.nvme_path:
+        hardware = with_swap_folder(hardware, request.nvme_path)
     if request.gpus is not None:
         if request.gpus < 1 or (hardware.has_gpu and request.gpus > hardware.gpus_per_node * hardware.nodes):
             raise UserError(f"--gpus {request.gpus}: {hardware.name} has {hardware.world_size} GPU(s); use 1.."
@@ -172,7 +202,9 @@ def generate(request: GenerateRequest) -> Generated:
     else:
         raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
     versions = installed_versions()
-    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
+    # liger's Triton kernels: Triton supports sm80+ GPUs (its README), so none below
+    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None) \
+        and (not hardware.has_gpu or hardware.gpu.cc >= (8, 0))
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
     if request.launcher == "ray" and hardware.world_size == 1:
@@ -184,15 +216,25 @@ def generate(request: GenerateRequest) -> Generated:
     options = PlanOptions(allow_packing=request.allow_packing, sort_steps=request.sort_steps, liger_available=liger_ok,
                           launcher=request.launcher,
                           flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
-                          mean_seq_fraction=mean_fraction, fixed=fixed)
+                          mean_seq_fraction=mean_fraction, fixed=fixed,
+                          allow_optimizer_change=request.allow_optimizer_change)
     if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
         raise UserError(f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16")
-    result = plan(spec, hardware, int(hp["effective_batch_size"]), int(hp["cutoff_len"]), options)
+    epochs, cutoff = float(hp.get("num_train_epochs", 1.0)), int(hp["cutoff_len"])
+    rows = profile.rows if profile else None
+    try:
+        result = plan(spec, hardware, int(hp["effective_batch_size"]), cutoff, options)
+    except NoPlanFits as exc:
+        listing = options_listing(exc.priced, hardware, cutoff, mean_fraction, rows, epochs)
+        raise NoPlanFits("\n".join([str(exc), *listing]), exc.priced) from None
+    chosen = result.chosen.plan
     meta = {"model": shape_model, "effective_batch_size": int(hp["effective_batch_size"]),
             "mean_seq_fraction": round(mean_fraction, 4), "allow_packing": request.allow_packing,
             "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
             "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
             "predicted_host_gib": round(host_memory(spec, result.chosen.plan, hardware).total_gib, 1)}
+    if result.chosen.disk_gib:
+        meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
     if profile:
         meta["dataset_rows"] = profile.rows
     output_dir = f"saves/{task.name}"
@@ -203,6 +245,14 @@ def generate(request: GenerateRequest) -> Generated:
                           offline=local_model,
                           save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta,
                           llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
-                          report_to=request.report_to)
+                          report_to=request.report_to, nvme=nvme_setup(chosen, spec, hardware))
     return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task,
-                     dataset=profile, hyperparameters=hp)
+                     dataset=profile, hyperparameters=hp,
+                     listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs))
+
+
+def options_listing(priced, hardware: HardwareProfile, seq_len: int, mean_fraction: float, rows: int | None,
+                    epochs: float) -> list[str]:
+    options = machine_options(priced)
+    basis = speed_basis(hardware, options[0].candidate.plan) if options else ""
+    return format_machine_options(options, seq_len, mean_fraction, rows, epochs, basis)

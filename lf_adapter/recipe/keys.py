@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
+from ..strategy import Optimizer
 
 
 def truthy(value) -> bool:
@@ -16,7 +17,25 @@ def truthy(value) -> bool:
 def deepspeed_file_name(plan: Plan) -> str | None:
     if not plan.deepspeed:
         return None
-    return f"ds_{plan.deepspeed}" + ("" if plan.offload == "none" else f"_offload_{plan.offload}") + ".json"
+    offload = plan.offload.replace("-", "_")
+    return f"ds_{plan.deepspeed}" + ("" if plan.offload == "none" else f"_offload_{offload}") + ".json"
+
+
+# the LLaMA-Factory keys each optimizer sets (the paper's AdamW sets none); read back by optimizer_from_keys
+OPTIMIZER_KEYS = {
+    Optimizer.ADAMW: {},
+    Optimizer.ADAMW_8BIT: {"optim": "adamw_bnb_8bit"},
+    Optimizer.BADAM: {"use_badam": True, "badam_mode": "layer", "badam_switch_mode": "ascending",
+                      "badam_switch_interval": 50, "badam_verbose": 1},
+}
+
+
+def optimizer_from_keys(data: dict) -> str:
+    if truthy(data.get("use_badam", False)):
+        return Optimizer.BADAM.value
+    if str(data.get("optim", "")).lower() in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"):
+        return Optimizer.ADAMW_8BIT.value
+    return Optimizer.ADAMW.value
 
 
 def plan_keys(plan: Plan) -> dict:
@@ -31,6 +50,7 @@ def plan_keys(plan: Plan) -> dict:
         "flash_attn": plan.flash_attn,
         "packing": plan.packing,
         "deepspeed": deepspeed_file_name(plan),
+        **OPTIMIZER_KEYS[plan.optimizer],
     }
 
 
@@ -55,4 +75,5 @@ def plan_from_keys(data: dict, meta: dict, hardware: HardwareProfile, deepspeed:
         padding_free=bool(meta.get("padding_free", False)),
         sorted_steps=bool(meta.get("sorted_steps", False)), alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
+        optimizer=optimizer_from_keys(data),
     )

@@ -13,6 +13,7 @@ from ..hardware import HardwareProfile, load_profile, profile_from_dict
 from ..model_spec import ModelSpec, load_model_spec
 from .keys import plan_from_keys
 from ..plan import Plan
+from ..strategy import OFFLOADS, SHARDING_OF_STAGE, Offload
 
 
 @dataclass
@@ -77,26 +78,39 @@ def recipe_hardware(recipe: Recipe, override: str | None = None) -> HardwareProf
     return load_profile("detect")
 
 
-OFFLOAD_DEVICES = ("cpu", "nvme")  # DeepSpeed offloads to either; both leave the GPU
+def _deepspeed_json(recipe: Recipe, workdir: Path | None) -> dict:
+    ds_path = (workdir or recipe.folder) / str(recipe.data["deepspeed"])
+    try:
+        data = json.loads(ds_path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{recipe.path}: deepspeed config {ds_path} is not a JSON object")
+    return data
 
 
 def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | None, str]:
-    """(None | zero2 | zero3, none | optimizer | all) from the recipe's DeepSpeed JSON, resolved against the
+    """(None | zero1 | zero2 | zero3, an Offload value) from the recipe's DeepSpeed JSON, resolved against the
     directory LLaMA-Factory runs in (default: the recipe's folder); UserError if unreadable."""
     if not recipe.data.get("deepspeed"):
         return None, "none"
-    ds_path = (workdir or recipe.folder) / str(recipe.data["deepspeed"])
-    try:
-        zero = json.loads(ds_path.read_text()).get("zero_optimization", {})
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{recipe.path}: deepspeed config {ds_path} cannot be read: {exc}") from None
+    zero = _deepspeed_json(recipe, workdir).get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
-    offload = "none"
-    if (zero.get("offload_param") or {}).get("device") in OFFLOAD_DEVICES:
-        offload = "all"
-    elif (zero.get("offload_optimizer") or {}).get("device") in OFFLOAD_DEVICES:
-        offload = "optimizer"
-    return {1: "zero1", 2: "zero2", 3: "zero3"}.get(stage), offload
+    param = (zero.get("offload_param") or {}).get("device")
+    optimizer = (zero.get("offload_optimizer") or {}).get("device")
+    device = param if param in ("cpu", "nvme") else optimizer
+    kind = next((name for name, k in OFFLOADS.items() if k.device == device and k.optimizer and
+                 k.parameters == (param in ("cpu", "nvme"))), Offload.NONE.value)
+    return SHARDING_OF_STAGE.get(stage), str(kind)
+
+
+def nvme_paths(recipe: Recipe, workdir: Path | None = None) -> list[str]:
+    """The swap folders a recipe's DeepSpeed JSON names for NVMe offload (empty without NVMe offload)."""
+    if not recipe.data.get("deepspeed"):
+        return []
+    zero = _deepspeed_json(recipe, workdir).get("zero_optimization") or {}
+    return sorted({str(section["nvme_path"]) for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
+                   if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")})
 
 
 def _int_key(recipe: Recipe, key: str, default: int) -> int:

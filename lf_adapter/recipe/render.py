@@ -11,6 +11,8 @@ import jinja2
 
 from .. import UserError, __version__, templates_dir
 from ..hardware import HardwareProfile
+from ..memory import NvmeSettings, nvme_settings
+from ..model_spec import ModelSpec
 from ..run.process import ACCELERATE_FSDP2_FILE, launch_env
 from .keys import deepspeed_file_name, plan_keys
 from ..plan import Plan
@@ -56,6 +58,7 @@ class RecipeInputs:
     meta: dict = field(default_factory=dict)
     llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
     report_to: str = "none"  # one of REPORT_TO
+    nvme: NvmeSetup | None = None  # the swap folder of an NVMe offload plan
 
 
 YAML_11_SPECIAL = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
@@ -77,10 +80,32 @@ def yaml_scalar(value) -> str:
     return text
 
 
-def render_deepspeed(plan: Plan) -> tuple[str, str]:
+@dataclass(frozen=True)
+class NvmeSetup:
+    path: str  # nvme_path: the swap folder
+    settings: NvmeSettings
+
+
+def nvme_setup(plan: Plan, model: ModelSpec | None, hardware: HardwareProfile | None,
+               nvme_path: str | None = None) -> NvmeSetup | None:
+    """The swap folder and buffer settings of an NVMe offload plan; None for other plans."""
+    if not plan.offloads_to_nvme:
+        return None
+    path = nvme_path or (hardware.disk.path if hardware is not None and hardware.disk is not None else None)
+    if model is None or path is None:
+        raise UserError(f"{plan.label()} swaps to a disk: the hardware profile needs a disk entry (lfa detect "
+                        "--measure-disk --save FILE, or disk: {path: DIR, free_gib: N} in the profile) and the model "
+                        "shape must be known")
+    return NvmeSetup(path=path, settings=nvme_settings(model))
+
+
+def render_deepspeed(plan: Plan, nvme: NvmeSetup | None = None) -> tuple[str, str]:
+    if plan.offloads_to_nvme and nvme is None:
+        raise UserError(f"{plan.label()}: NVMe offload needs its swap folder")
     text = _environment().get_template("deepspeed/zero.json.j2").render(
-        stage=plan.deepspeed_stage, offload_optimizer=plan.offload in ("optimizer", "all"),
-        offload_param=plan.offload == "all" and plan.deepspeed == "zero3")
+        stage=plan.deepspeed_stage, offload_optimizer=plan.offloads_optimizer,
+        offload_param=plan.offloads_parameters and plan.shards_parameters,
+        device=plan.offload_kind.device, nvme=nvme)
     json.loads(text)  # the template must stay valid JSON
     return deepspeed_file_name(plan), text
 
@@ -103,7 +128,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     keys = plan_keys(plan)
     deepspeed_file = keys["deepspeed"]
     if deepspeed_file:
-        files[deepspeed_file] = render_deepspeed(plan)[1]
+        files[deepspeed_file] = render_deepspeed(plan, inputs.nvme)[1]
     accelerate_config = render_accelerate_config(plan)
     if accelerate_config:
         files[accelerate_config[0]] = accelerate_config[1]

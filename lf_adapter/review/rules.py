@@ -4,12 +4,13 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..hardware import HardwareProfile
-from ..memory import estimate, host_memory
+from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..strategy import CONSTRAINTS, violations
@@ -144,7 +145,7 @@ def deepspeed_needs_torchrun(c: RuleContext) -> None:
               "plain llamafactory-cli export it yourself)", "deepspeed")
 
 
-@rule("deepspeed_config", "zero3_min_lr", "offload_without_optimizer")
+@rule("deepspeed_config", "zero3_min_lr", "offload_without_optimizer", "nvme_path_missing", "nvme_path_no_room")
 
 
 def deepspeed_config(c: RuleContext) -> None:
@@ -169,6 +170,39 @@ def deepspeed_config(c: RuleContext) -> None:
               "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
               "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
               "section (lfa's templates do)", "deepspeed")
+    _nvme_paths(c, zero)
+
+
+def _nvme_paths(c: RuleContext, zero: dict) -> None:
+    """NVMe offload's swap folder must be there (or creatable) on this machine and hold what is swapped."""
+    folders = {str(section["nvme_path"]) for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
+               if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")}
+    need = disk_gib(c.spec, c.plan) if c.spec is not None else None
+    for folder in sorted(folders):
+        path = Path(folder) if Path(folder).is_absolute() else c.workdir / folder
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not path.exists():
+            c.add("warning", "nvme_path_missing", f"nvme_path {folder} does not exist here; DeepSpeed creates it on "
+                  f"the training machine, which needs {need or 0:.0f} GiB free there", "deepspeed")
+        try:
+            free = shutil.disk_usage(existing).free / 2**30
+        except OSError:
+            continue
+        if need is not None and need > disk_limit_gib(free):
+            c.add("error", "nvme_path_no_room", f"nvme_path {folder}: NVMe offload swaps {need:.0f} GiB (fp32 master "
+                  f"weights, Adam moments, gradients) but {existing} has {free:.0f} GiB free (usable "
+                  f"{disk_limit_gib(free):.0f}); point nvme_path at a larger local disk", "deepspeed")
+
+
+@rule("optimizer_changed")
+def optimizer_changed(c: RuleContext) -> None:
+    if c.plan.changes_optimizer:
+        key = "use_badam" if c.plan.optimizer == "badam" else "optim"
+        c.add("warning", "optimizer_changed", f"the optimizer is {c.plan.optimizer}, not the paper's AdamW: this "
+              "changes what is trained (8-bit moments or one layer at a time), a hyper-parameter change to report "
+              "beside the results", key)
 
 
 @rule("effective_batch_changed")

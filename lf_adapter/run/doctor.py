@@ -66,7 +66,7 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
     changes = {**key_changes(recipe, nxt, plan_keys(attempt.plan))}
     target = out or recipe.path.with_name(recipe.path.stem + ".next.yaml")
     if nxt.plan.deepspeed and (changes.get("deepspeed") or nxt.own_deepspeed_config):
-        changes["deepspeed"] = write_deepspeed_config(target.parent, nxt.plan)
+        changes["deepspeed"] = write_deepspeed_config(target.parent, nxt.plan, context.model, hw)
         diagnosis.written.append(str(target.parent / changes["deepspeed"]))
     # everything the next plan needs at launch: the seed's run was a plain llamafactory-cli, not lfa's launch.sh
     diagnosis.env = {e.name: e.value for e in launch_env(nxt.plan, offline=model_dir.is_dir())} | nxt.env

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import UserError
 from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
-from ..memory import checkpoint_gib
+from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
 from .process import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
@@ -30,7 +30,7 @@ from ..throughput import speed_basis
 from ..recipe.read import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 from ..recipe.keys import plan_keys
-from ..recipe.render import render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
+from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
 LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
@@ -67,9 +67,10 @@ def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
     return changes
 
 
-def write_deepspeed_config(folder: Path, plan: Plan) -> str:
+def write_deepspeed_config(folder: Path, plan: Plan, model: ModelSpec | None = None,
+                           hardware: HardwareProfile | None = None) -> str:
     """Render lfa's DeepSpeed config for a retry; never overwrites a different file of the user's."""
-    name, text = render_deepspeed(plan)
+    name, text = render_deepspeed(plan, nvme_setup(plan, model, hardware))
     path = folder / name
     if path.exists() and path.read_text() != text:
         path = folder / (Path(name).stem + ".lfa.json")
@@ -325,6 +326,35 @@ def disk_shortfall(output_dir: Path, model: ModelSpec | None, plan: Plan, recipe
             "new one is written)")
 
 
+def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | None, plan: Plan) -> str | None:
+    """Before an NVMe offload attempt: each swap folder of the DeepSpeed config (relative to the folder the trainer
+    runs in) must hold what DeepSpeed swaps there. Swap files an earlier attempt left there are rewritten, so they
+    count as free. None when it fits or nothing is swapped."""
+    if model is None or not plan.offloads_to_nvme or not deepspeed_file:
+        return None
+    try:
+        zero = json.loads((folder / deepspeed_file).read_text()).get("zero_optimization") or {}
+    except (OSError, json.JSONDecodeError):
+        return None  # the trainer reports an unreadable config itself
+    need = disk_gib(model, plan)
+    for section in (zero.get("offload_optimizer"), zero.get("offload_param")):
+        if not isinstance(section, dict) or section.get("device") != "nvme" or not section.get("nvme_path"):
+            continue
+        path = folder / str(section["nvme_path"])
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        reusable = sum(f.stat().st_size for f in (path / "zero_stage_3").rglob("*") if f.is_file()) / 2**30 \
+            if (path / "zero_stage_3").is_dir() else 0.0
+        free = shutil.disk_usage(existing).free / 2**30 + reusable
+        if need > disk_limit_gib(free):
+            return (f"NVMe offload swaps {need:.0f} GiB to {section['nvme_path']}, but {existing} has {free:.0f} GiB "
+                    f"free ({disk_limit_gib(free):.0f} usable); point nvme_path at a larger local disk "
+                    "(lfa generate --nvme-path DIR)")
+        return None
+    return None
+
+
 def trained_model_spec(recipe: Recipe) -> ModelSpec | None:
     """The shape of the model the recipe trains (what is written to disk); None when lfa cannot know it."""
     try:
@@ -513,7 +543,14 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                 return 1
             changes = key_changes(effective, attempt, base_plan_keys)
             if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
-                changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan)
+                changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan, context.model, hardware)
+            short = swap_shortfall(recipe.folder, changes.get("deepspeed") or effective.data.get("deepspeed"),
+                                   context.model or trained_model, attempt.plan)
+            if short:
+                ledger.status, ledger.error = "failed", short
+                save()
+                reporter.event("error", f"lfa: {short}", kind="disk_space")
+                return 1
             overrides = {**user_keys, **changes, **launch_keys}
             # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
             checkpoint = newest_complete_checkpoint(output_dir, tidy=not request.node_rank) \
