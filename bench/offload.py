@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -44,6 +45,7 @@ RUNS = {
     # ZeRO-3 NVMe offload (issue 25): optimizer states on the device's disk (--nvme-path under the work folder)
     "z3nvme_6.7b-12l": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=8"]),
     "z3nvme_1.3b": ("model", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=16"]),
+    "z3nvme_6.7b-12l_ga64": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=1"]),
 }
 
 
@@ -145,6 +147,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
             rc = process.wait()
         tree_peak = sampler.stop()
         disk_peak = swap.stop()
+    shutil.rmtree(work / "swap" / label, ignore_errors=True)  # the device's disk holds one run's swap at a time
     text = (out / f"{label}.log").read_text(errors="replace")
     attempt_logs = sorted(run_dir.glob("attempt-*.log"))
     trainer_text = attempt_logs[-1].read_text(errors="replace") if attempt_logs else ""
