@@ -174,7 +174,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
 
 def table(results: dict) -> None:
     from lf_adapter.hardware import load_profile
-    from lf_adapter.memory import host_memory
+    from lf_adapter.memory import disk_gib, estimate, host_memory
     from lf_adapter.plan import Plan
     from lf_adapter.throughput import predict_tokens_per_s
 
@@ -197,6 +197,14 @@ def table(results: dict) -> None:
         terr = f"{pred_tps / tps - 1:+.1%}" if tps else "-"
         print(f"{label:16s} {row['plan'][:50]:50s} {trainer or 0:7.1f} {per_rank:6.1f} {err:>6s} "
               f"{row.get('tree_peak_rss_gib') or 0:6.1f} {host.total_gib:6.1f} {tps or 0:7,.0f} {pred_tps:7,.0f} {terr:>6s}")
+        gpu = estimate(spec, plan.replace(alloc_conf="expandable_segments:True"), 2048, None).reserved_gib
+        if row.get("peak_reserved_gib"):
+            print(f"{'':16s} GPU reserved {row['peak_reserved_gib']:.2f} GiB, predicted {gpu:.2f} "
+                  f"({gpu / row['peak_reserved_gib'] - 1:+.1%})")
+        if plan.offloads_to_nvme and row.get("peak_swap_gib"):
+            disk = disk_gib(spec, plan)
+            print(f"{'':16s} NVMe swap {row['peak_swap_gib']:.2f} GiB, predicted {disk:.2f} "
+                  f"({disk / row['peak_swap_gib'] - 1:+.1%})")
 
 
 def main() -> None:

@@ -362,9 +362,11 @@ def review(recipes, hardware, model, base_ref, fmt, workdir):
 @click.option("--hardware", help="Profile to plan for (default: the recipe's lfa-meta header, or detect).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Where to write the next recipe (default: RECIPE.next.yaml).")
 @click.option("--allow-hparam-change", is_flag=True, help="Let a NaN remedy lower the learning rate.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Where llamafactory-cli ran: relative paths in the "
+              "recipe resolve against it (default: the recipe's folder for lfa's recipes, else the current directory).")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def doctor(log, recipe, hardware, out, allow_hparam_change, as_json):
+def doctor(log, recipe, hardware, out, allow_hparam_change, workdir, as_json):
     """Diagnose a training log from a run lfa did not supervise (e.g. a nohup'd llamafactory-cli).
 
     Exit 0 when a remedy exists, 1 when the failure is not retriable, nothing fits or no failure was found, 2 on
@@ -374,8 +376,14 @@ def doctor(log, recipe, hardware, out, allow_hparam_change, as_json):
     """
     from .run.doctor import diagnose
 
-    d = diagnose(Path(log), Path(recipe) if recipe else None, hardware, Path(out) if out else None,
-                 allow_hparam_change)
+    try:
+        d = diagnose(Path(log), Path(recipe) if recipe else None, hardware, Path(out) if out else None,
+                     allow_hparam_change, Path(workdir) if workdir else None)
+    except UserError as exc:
+        if not as_json:
+            raise
+        click.echo(json.dumps({"error": str(exc)}, indent=2))
+        sys.exit(2)
     if as_json:
         click.echo(json.dumps({"failure": d.failure.to_dict() if d.failure else None,
                                "remedy": None if d.remedy is None else {"action": d.remedy.action, "why": d.remedy.why,

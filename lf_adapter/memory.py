@@ -252,11 +252,13 @@ def nvme_settings(model: ModelSpec) -> NvmeSettings:
 
 
 def nvme_host_bytes(model: ModelSpec, plan: Plan) -> dict[str, float]:
-    """Host memory of one rank under NVMe offload (bytes), by construction from DeepSpeed 0.19.8's code."""
+    """Host memory of one rank under NVMe offload (bytes): buffers by construction from DeepSpeed 0.19.8's code, the
+    per-parameter part fitted on two H200 runs (catalog/memory_model.yaml nvme)."""
     settings = nvme_settings(model)
     partition = model.num_params / plan.world_size
     sub_group = min(settings.sub_group_size, partition)
-    items = {"pinned 16-bit gradient partition (ZeRO-3 offload)": 2.0 * partition,
+    per_param = coefficients()["nvme"]["host_bytes_per_param"]
+    items = {"pinned 16-bit gradient partition and ZeRO-3 offload bookkeeping (fitted)": per_param * partition,
              "pinned fp32 NVMe swap buffers (optimizer)": settings.optimizer_buffer_count * sub_group * 4.0,
              "fp32 gradients of one sub-group on their way to the disk": sub_group * 4.0}
     if plan.offloads_parameters:

@@ -215,8 +215,9 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
     rejected = sorted((c for c in candidates if not c.fits and c.plan.optimizer in allowed),
                       key=lambda c: c.memory.reserved_gib)
     if not fitting:
-        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, candidates, suggest),
-                         priced=candidates)
+        allowed_candidates = [c for c in candidates if c.plan.optimizer in allowed] or candidates
+        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, allowed_candidates,
+                                        suggest), priced=candidates)
     chosen = fitting[0]
     return PlanResult(chosen=dataclasses.replace(chosen, plan=explain(chosen, hardware, options, fitting)),
                       runners_up=fitting[1:6], rejected=rejected[:5], priced=candidates)
@@ -337,6 +338,9 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
             need_disk = best_host.disk_gib / (1.0 - coefficients()["nvme"]["disk_headroom"])
             lines.append(f"  would fit: {need_disk:.0f} GiB free at the swap folder (lfa generate --nvme-path DIR on a "
                          "larger local disk)")
+    if hardware.disk is None:
+        lines.append("  would fit with a local NVMe disk for ZeRO-3 NVMe offload: declare it in the profile as "
+                     "disk: {path: DIR, free_gib: N, read_gbs: R, write_gbs: W} (lfa detect --measure-disk --save FILE)")
     else:
         lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
     if not suggest:

@@ -149,9 +149,13 @@ def test_seed_oom_is_replanned_by_the_memory_model_to_a_plan_that_fits_gpu_and_h
 def test_oom_with_no_plan_for_gpu_and_host_stops_at_once_with_what_would_fit():
     """The v100-32g profile's 128 GiB host: DeepSpeed's offloaded states of a 6.7B model need about 170 GiB (measured
     26.3 bytes per parameter on the H200; the 6.7B run was killed at 128 GiB), so nothing fits and lfa says why."""
+    import dataclasses
+
+    no_disk = dataclasses.replace(load_profile("v100-32g"), disk=None)
     remedy = next_remedy(Attempt(Plan.from_label("fp16/mbs8xga8x1/gc/sdpa/zero2")), _seed_failure(),
-                         _context(load_profile("v100-32g")), set())
+                         _context(no_disk), set())
     assert remedy.attempt is None and remedy.action == "no_plan_fits"
+    assert "declare it in the profile as disk" in remedy.why
     assert "128 GiB of RAM" in remedy.why and "GiB of host RAM" in remedy.why
     assert "GPUs of this kind" in remedy.why and "smaller model" in remedy.why
 
@@ -202,9 +206,13 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     assert report["env"]["FORCE_TORCHRUN"] == "1"
     # exit codes: not retriable -> 1, no failure -> 1, missing file -> 2
     assert run_lfa("doctor", FIXTURES / "config_unknown_key.log").returncode == 1
-    # the seed's own 128 GiB profile: nothing fits, exit 1 and no recipe written
+    # the seed's own 128 GiB host without a disk for NVMe offload: nothing fits, exit 1 and no recipe written
     (tmp_path / "train.next.yaml").unlink()
-    stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", "v100-32g")
+    no_disk = tmp_path / "v100-no-disk.yaml"
+    no_disk.write_text("\n".join(line for line in (Path(__file__).parents[1] / "catalog" / "hardware" /
+                                                   "v100-32g.yaml").read_text().splitlines()
+                                 if not line.startswith("disk:")))
+    stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", no_disk)
     assert stop.returncode == 1 and "no plan fits" in stop.stdout and not (tmp_path / "train.next.yaml").exists()
     (tmp_path / "fine.log").write_text("{'loss': 1.0}\ntraining finished\n")
     assert run_lfa("doctor", tmp_path / "fine.log").returncode == 1

@@ -161,7 +161,11 @@ def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe
     recipe = cpu_recipe("max_steps=3")
     text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
     recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4", "--hardware", "v100-32g",
+    # the seed's card and 128 GiB host without a local disk for NVMe offload
+    no_disk = tmp_path / "v100-no-disk.yaml"
+    no_disk.write_text("\n".join(line for line in (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text()
+                                 .splitlines() if not line.startswith("disk:")))
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4", "--hardware", no_disk,
                      env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
                           "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
     attempts = _ledger(tmp_path / "run")["attempts"]

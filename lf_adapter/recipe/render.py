@@ -14,7 +14,7 @@ from ..hardware import HardwareProfile
 from ..memory import NvmeSettings, nvme_settings
 from ..model_spec import ModelSpec
 from ..run.process import ACCELERATE_FSDP2_FILE, launch_env
-from .keys import deepspeed_file_name, plan_keys
+from .keys import OPTIMIZER_KEYS, deepspeed_file_name, plan_keys
 from ..plan import Plan
 from ..tasks import TaskSpec, chat_template_files
 
@@ -151,7 +151,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
         save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
         ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
-        ray_logical_cpus=ray_logical_cpus(inputs.hardware), report_to=inputs.report_to)
+        ray_logical_cpus=ray_logical_cpus(inputs.hardware), report_to=inputs.report_to,
+        optimizer_keys=OPTIMIZER_KEYS[plan.optimizer])
     files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
     hw = inputs.hardware
     env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)

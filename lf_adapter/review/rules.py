@@ -180,12 +180,11 @@ def _nvme_paths(c: RuleContext, zero: dict) -> None:
     need = disk_gib(c.spec, c.plan) if c.spec is not None else None
     for folder in sorted(folders):
         path = Path(folder) if Path(folder).is_absolute() else c.workdir / folder
+        if not path.is_dir():  # this may not be the training machine: its disk cannot be judged from here
+            c.add("warning", "nvme_path_missing", f"nvme_path {folder} is not a folder here; it must exist on the "
+                  f"training machine with {need or 0:.0f} GiB free (lfa train checks before it starts)", "deepspeed")
+            continue
         existing = path
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not path.exists():
-            c.add("warning", "nvme_path_missing", f"nvme_path {folder} does not exist here; DeepSpeed creates it on "
-                  f"the training machine, which needs {need or 0:.0f} GiB free there", "deepspeed")
         try:
             free = shutil.disk_usage(existing).free / 2**30
         except OSError:

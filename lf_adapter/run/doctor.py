@@ -12,6 +12,7 @@ from .monitor import Failure, LineReader, classify, failure_classes
 from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Remedy, next_remedy
 from ..recipe.keys import plan_keys
+from ..review.core import recipe_workdir
 from .supervisor import _resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
 
 
@@ -44,7 +45,9 @@ def read_log(path: Path) -> list[str]:
 
 
 def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = None,
-             out: Path | None = None, allow_hparam_change: bool = False) -> Diagnosis:
+             out: Path | None = None, allow_hparam_change: bool = False, workdir: Path | None = None) -> Diagnosis:
+    """workdir: where llamafactory-cli ran, what its relative paths resolve against (lfa review's rule: --workdir,
+    else the recipe's folder for lfa's recipes, else the current directory)."""
     failure = classify(read_log(log), None)
     if failure is None:
         return Diagnosis(None)
@@ -57,7 +60,7 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
     # the log came from another machine: liger is there if the recipe used it
     context = recovery_context(recipe, hw, trained_model_spec(recipe), bool(recipe.data.get("enable_liger_kernel")),
                                allow_hparam_change)
-    attempt = Attempt(plan_from_recipe(recipe, hw))
+    attempt = Attempt(plan_from_recipe(recipe, hw, recipe_workdir(recipe, workdir)))
     remedy = next_remedy(attempt, failure, context, set())
     diagnosis = Diagnosis(failure, remedy, advice)
     if remedy is None or remedy.attempt is None:

@@ -231,7 +231,12 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
                           f"{wasted:.2f} GiB reserved but unallocated covers the {d.get('asked_gib', 0):.2f} GiB asked "
                           f"and the memory model puts this plan at {expandable.reserved_gib:.1f} of "
                           f"{expandable.limit_gib:.1f} GiB: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
-    fixed = {"precision": failing.precision, "packing": failing.packing, "launcher": failing.launcher}
+    precision = failing.precision
+    gpu = context.hardware.gpu
+    if precision == "bf16" and not gpu.bf16:  # a recipe written for a bf16 card, re-planned for this one
+        precision = "fp16"
+        evidence += f"; {gpu.name} has no native bf16 (sm{gpu.compute_capability}): the next plan runs fp16"
+    fixed = {"precision": precision, "packing": failing.packing, "launcher": failing.launcher}
     options = PlanOptions(allow_packing=failing.packing, launcher=failing.launcher,
                           liger_available=context.liger_available or failing.liger,
                           mean_seq_fraction=context.mean_seq_fraction, fixed=fixed, activation_scale=scale,
