@@ -6,6 +6,9 @@ set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+# memory-light optimizers (bitsandbytes, badam): carried installed in .lowmem (bitsandbytes' wheel is 43 MB; the
+# folder keeps only its CUDA 13 library)
+[ -d .lowmem ] && export PYTHONPATH=$PWD/.lowmem:$PYTHONPATH
 W=/tmp/w; mkdir -p $W
 df -h /tmp | tail -1
 nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,noheader

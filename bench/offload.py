@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from seed_scenario import build_assets, catalog_spec, steady_state  # noqa: E402
+from seed_scenario import CAP_GIB, build_assets, catalog_spec, steady_state  # noqa: E402
 
 # label -> (model folder under ASSETS, lfa generate --pin arguments)
 RUNS = {
@@ -46,7 +46,15 @@ RUNS = {
     "z3nvme_6.7b-12l": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=8"]),
     "z3nvme_1.3b": ("model", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=16"]),
     "z3nvme_6.7b-12l_ga64": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=1"]),
+    # memory-light optimizers on the whole 6.7B in fp16 (the seed card's precision), micro-batch 1 with checkpointing,
+    # 8 rows per step so 20 steps fit a device call; BAdam under the seed card's 31.73 GiB cap (it fits there),
+    # AdamW and 8-bit AdamW on the whole H200 (they do not fit the cap: their peaks and losses are the reference)
+    "opt_adamw_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true"]),
+    "opt_adamw8bit_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true",
+                                          "optimizer=adamw_8bit"]),
+    "opt_badam_6.7b_capped": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
 }
+OPTIMIZER_RUN_ARGS = ["--precision", "fp16", "--set", "effective_batch_size=8", "--set", "seed=42"]
 
 
 class FolderBytes:
@@ -126,9 +134,15 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     model_dir, pins = RUNS[label]
     folder, run_dir = work / label, work / "runs" / label
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    optimizer_run = label.startswith("opt_")
+    capped = label.endswith("_capped")
+    if capped:
+        env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
+    profile = "h200-capped-32g" if capped else str(big_ram_profile(work))
     gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
-           str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", str(big_ram_profile(work)),
-           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+           str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", profile,
+           *(OPTIMIZER_RUN_ARGS if optimizer_run else []),
+           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={20 if label.startswith('opt_') else steps}", "--set", "save_strategy=no",
            *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
            "--logging-steps", "1", "-o", str(folder), "--force"]
     with open(out / f"{label}.gen.log", "wb") as log:
@@ -169,6 +183,9 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
            "peak_swap_gib": round(disk_peak, 2), "predicted_disk_gib": meta.get("predicted_disk_gib"),
            "killed": "SIGKILL" in text or "exitcode  : -9" in trainer_text}
     row.update(steady_state(run_dir / "events.jsonl"))
+    trainer_log = folder / "saves" / "pseudo2norm" / "trainer_log.jsonl"
+    if optimizer_run and trainer_log.exists():
+        row["losses"] = [json.loads(line).get("loss") for line in trainer_log.read_text().splitlines() if line.strip()]
     return row
 
 
