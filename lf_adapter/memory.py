@@ -69,7 +69,9 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
         block = badam_block_params(model)
         return {"weights (16-bit, BAdam: no fp32 upcast)": 2.0 * p,
                 "active block (one layer): fp32 copy + fp32 grads + Adam m, v": 16.0 * block,
-                "active block: 16-bit gradients": 2.0 * block}
+                "active block: 16-bit gradients": 2.0 * block,
+                "not itemized (measured: a 6.7B BAdam run OOMed at 31.3 GiB; lower bound)":
+                    coefficients()["optimizers"]["badam_unexplained_bytes_per_param"] * p}
     # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
     states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
     if plan.optimizer == Optimizer.ADAMW_8BIT:

@@ -194,7 +194,8 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     profile = tmp_path / "v100-256g.yaml"
     profile.write_text((Path(__file__).parents[1] / "catalog" / "hardware" / "v100-32g.yaml").read_text()
                        .replace("ram_gib: 128", "ram_gib: 256"))
-    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json")
+    # a hand-written recipe: its relative paths resolve against where llamafactory-cli runs (here: its folder)
+    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["failure"]["kind"] == "cuda_oom" and "offload" in report["remedy"]["plan"]
@@ -212,7 +213,7 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     no_disk.write_text("\n".join(line for line in (Path(__file__).parents[1] / "catalog" / "hardware" /
                                                    "v100-32g.yaml").read_text().splitlines()
                                  if not line.startswith("disk:")))
-    stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", no_disk)
+    stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", no_disk, cwd=tmp_path)
     assert stop.returncode == 1 and "no plan fits" in stop.stdout and not (tmp_path / "train.next.yaml").exists()
     (tmp_path / "fine.log").write_text("{'loss': 1.0}\ntraining finished\n")
     assert run_lfa("doctor", tmp_path / "fine.log").returncode == 1

@@ -127,7 +127,12 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
                                                         allow_optimizer_change=True))
     assert opted.chosen.tokens_per_s >= exact.chosen.tokens_per_s
     rows = {o.candidate.plan.optimizer: o for o in machine_options(exact.priced) if o.kind != "exact"}
-    assert not rows["adamw_8bit"].fits and rows["badam"].fits
+    # neither fits the seed's card: 8-bit moments leave fp32 weights and grads; BAdam priced at least at the 31.3 GiB
+    # its 6.7B run was measured to need (bench/results/h200_session15)
+    assert not rows["adamw_8bit"].fits and not rows["badam"].fits and "GPU" in rows["badam"].why_not
+    roomy = dataclasses.replace(hardware, gpu=dataclasses.replace(hardware.gpu, vram_gib=40.0))
+    assert plan(model, roomy, 64, 2048, PlanOptions(fixed={"precision": "fp16"}, liger_available=False,
+                                                    allow_optimizer_change=True)).chosen.plan.optimizer == "badam"
     eight = estimate(model, Plan("fp16", 1, 64, optimizer="adamw_8bit"), 2048, None).items
     assert eight["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] == \
         pytest.approx((2 + 8 / 256) * model.num_params / GIB)
@@ -146,7 +151,7 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     review = run_lfa("review", tmp_path / "e" / "train.yaml", "--format", "json")
     assert "optimizer_changed" in review.stdout
     badam_recipe = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=badam",
-                           "-o", tmp_path / "b")
+                           "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "b")
     assert badam_recipe.returncode == 0 and "use_badam: true" in (tmp_path / "b" / "train.yaml").read_text()
     bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=lion",
                   "-o", tmp_path / "x")

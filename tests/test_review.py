@@ -121,6 +121,8 @@ def _original_on_32g(recipe):  # the paper's bs8 x ga8 without checkpointing on 
 def _liger_with_zero3(recipe):  # trl#3368 / #5891: liger's fused loss + ZeRO-3 -> size mismatch
     (recipe.parent / "ds_zero3.json").write_text(render_deepspeed(Plan("bf16", 1, 64, sharding="zero3"))[1])
     _edit(recipe, r"^finetuning_type: full", "finetuning_type: full\ndeepspeed: ds_zero3.json")
+    if "enable_liger_kernel: true" not in recipe.read_text():  # lfa plans no liger below sm80 (Triton's floor)
+        _edit(recipe, r"^flash_attn: (\w+)", "flash_attn: \\1\nenable_liger_kernel: true")
     return "enable_liger_kernel", "error", "liger_with_zero3"
 
 
@@ -179,7 +181,7 @@ def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_pat
     assert md.startswith("## lfa review: 2 recipe(s), **1 error(s)**")
     assert f"### `{clean_recipe}`" in md and "No findings." in md
     assert "| ❌ error | " in md and "`bf16_unsupported`" in md
-    assert "| `fp16/mbs1xga64x1/nogc/liger/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md
+    assert "| `fp16/mbs1xga64x1/gc/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md
     text = run_lfa("review", broken / "train.yaml")
     assert f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout
     github = run_lfa("review", broken / "train.yaml", "--format", "github")
