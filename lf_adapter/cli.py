@@ -50,15 +50,17 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--save", type=click.Path(dir_okay=False), help="Save the hardware profile (YAML) for --hardware FILE.")
 @click.option("--no-network", is_flag=True, help="Skip the hub reachability check.")
+@click.option("--measure-disk", is_flag=True, help="Measure the swap disk's sequential O_DIRECT write/read rates "
+              "(1 GiB through a folder lfa creates and removes) for NVMe offload plans; --save keeps them.")
 @user_errors
-def detect(as_json, save, no_network):
+def detect(as_json, save, no_network, measure_disk):
     """GPUs, CPU, disk, installed training stack and hub reachability.
 
     Example: lfa detect --save my-box.yaml && lfa generate --task pseudo2norm --hardware my-box.yaml
     """
     from .hardware import detect as run_detect, save_profile
 
-    report = run_detect(check_network=not no_network)
+    report = run_detect(check_network=not no_network, measure=measure_disk)
     if save:
         save_profile(report.profile, Path(save))
     if as_json:
@@ -74,6 +76,14 @@ def detect(as_json, save, no_network):
     else:
         click.echo("GPUs: none (CPU only)")
     click.echo(f"CPU: {p.cpu_cores} cores, {p.ram_gib:.1f} GiB RAM; disk free: {report.disk_free_gib:.1f} GiB")
+    for disk in report.disks:
+        kind = {True: "rotational", False: "solid-state", None: "kind unknown"}[disk["rotational"]]
+        click.echo(f"  disk {disk['device']} at {disk['mountpoint']} ({disk['fstype']}, {kind}): "
+                   f"{disk['free_gib']:.1f} GiB free")
+    if p.disk is not None:
+        rates = (f"{p.disk.read_gbs:.2f} GB/s read, {p.disk.write_gbs:.2f} GB/s write" if p.disk.known_rates
+                 else "rates not measured (--measure-disk)")
+        click.echo(f"NVMe offload would swap to {p.disk.path}: {p.disk.free_gib:.1f} GiB free, {rates}")
     click.echo("software: " + ", ".join(f"{k} {v or '-'}" for k, v in report.software.items()))
     hub = report.hub
     reach = {True: "reachable", False: "NOT reachable", None: "not checked"}[hub["reachable"]]
