@@ -457,13 +457,15 @@ def diff_cmd(old, new, fmt):
 @click.option("--master-port", type=int, help="Multi-node: the rendezvous port (default: the profile's, 29500).")
 @click.option("--hardware", help="Plan OOM recovery for this profile (name or file) instead of the recipe's own "
               "(its lfa-meta header, or detect for hand-written recipes).")
-@click.option("--fresh", is_flag=True, help="Start from step 0: checkpoints already in output_dir are renamed aside "
-              "(superseded-checkpoint-N-...), not resumed and not deleted.")
+@click.option("--resume-anyway", is_flag=True, help="Resume from output_dir's checkpoints although the recipe file "
+              "or its dataset changed since they were trained (lfa refuses otherwise).")
+@click.option("--fresh", is_flag=True, help="Start from step 0: everything an earlier run left in output_dir "
+              "(checkpoints, the final model) moves into superseded-TIME/ there, never deleted.")
 @click.option("--stop-on-divergence", is_flag=True, help="Stop the attempt (and retry with a lower learning rate "
               "if --allow-hparam-change) when the loss sits at ln(vocab) or rises for 10 logs; without it lfa warns.")
 @user_errors
 def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, detach, sets, node_rank, master_addr,
-          master_port, hardware, fresh, stop_on_divergence):
+          master_port, hardware, resume_anyway, fresh, stop_on_divergence):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
     Example: lfa train recipes/pseudo2norm/v100-32g/train.yaml --max-attempts 3
@@ -474,6 +476,7 @@ def train(recipe, run_dir, name, max_attempts, allow_hparam_change, as_json, det
                            max_attempts=max_attempts, allow_hparam_change=allow_hparam_change,
                            json_events=as_json, overrides=tuple(sets), node_rank=node_rank,
                            master_addr=master_addr, master_port=master_port, hardware=hardware, fresh=fresh,
+                           resume_anyway=resume_anyway,
                            stop_on_divergence=stop_on_divergence)
     if detach:
         _refuse_broken_recipe(Path(recipe), hardware)

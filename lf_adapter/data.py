@@ -25,7 +25,10 @@ class DatasetProfile:
     total_tokens: int = 0  # after truncation to cutoff_len: what training sees
 
     def steps(self, effective_batch: int, epochs: float) -> int:
-        return int(self.rows * epochs // effective_batch)
+        """Optimizer steps the trainer takes: each epoch ends with a last, partial batch."""
+        import math
+
+        return math.ceil(math.ceil(self.rows / effective_batch) * epochs)
 
     def report(self, cutoff_len: int, effective_batch: int | None = None, epochs: float | None = None) -> str:
         lines = [f"dataset {self.path}: {self.rows:,} rows, tokens counted with {self.counted_with}",
@@ -61,6 +64,49 @@ def _read_rows(file: Path, columns: dict) -> list[dict]:
     if not rows:
         raise UserError(f"dataset {file} has no rows")
     return rows
+
+
+def dataset_problems(file: Path, columns: dict, limit: int = 10) -> list[str]:
+    """Every problem LLaMA-Factory would trip over (or silently drop a row for) in an alpaca jsonl, as file:line
+    messages, at most `limit`: bytes that are not UTF-8, a line that is not a JSON object, a row without the prompt
+    or response column, an empty file."""
+    response = columns.get("response", "output")
+    prompt_parts = [columns.get("prompt", "instruction"), columns.get("query", "input")]
+    problems, rows = [], 0
+    try:
+        with file.open("rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                if len(problems) >= limit:
+                    problems.append(f"{file}: (stopped after {limit} problems)")
+                    break
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    problems.append(f"{file}:{number}: bytes that are not UTF-8 at column {exc.start + 1}")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    problems.append(f"{file}:{number}: not a JSON object ({exc.msg} at column {exc.colno})")
+                    continue
+                if not isinstance(row, dict):
+                    problems.append(f"{file}:{number}: a JSON {type(row).__name__}, not an object")
+                    continue
+                if not isinstance(row.get(response), str) or not row[response]:
+                    problems.append(f"{file}:{number}: no '{response}' (LLaMA-Factory would drop the row)")
+                    continue
+                if not any(isinstance(row.get(c), str) and row[c] for c in prompt_parts):
+                    problems.append(f"{file}:{number}: neither '{prompt_parts[0]}' nor '{prompt_parts[1]}' has text "
+                                    "(LLaMA-Factory would drop the row)")
+                    continue
+                rows += 1
+    except OSError as exc:
+        return [f"cannot read dataset {file}: {exc.strerror or exc}"]
+    if rows == 0 and not problems:
+        problems.append(f"{file}: no rows")
+    return problems
 
 
 def local_tokenizer(model: str | None):

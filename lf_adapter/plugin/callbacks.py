@@ -94,6 +94,7 @@ class EventsCallback(TrainerCallback):
 
     def __init__(self, path: str):
         self.path, self.start, self.last = path, None, None
+        self.write_failed = False
 
     def _emit(self, state, **event) -> None:
         if not state.is_world_process_zero:
@@ -109,8 +110,16 @@ class EventsCallback(TrainerCallback):
         event["time"] = time.time()
         if os.environ.get("LFA_ATTEMPT", "").isdigit():
             event["attempt"] = int(os.environ["LFA_ATTEMPT"])
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(event) + "\n")
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(event) + "\n")
+        except OSError as exc:  # a full disk under the run folder: lose an event, never the training
+            if not self.write_failed:
+                print(f"lfa: cannot write {self.path} ({exc.strerror or exc}); progress events are lost until it "
+                      "can, training goes on", flush=True)
+            self.write_failed = True
+        else:
+            self.write_failed = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()

@@ -49,13 +49,31 @@ def parse_value(raw: str):
     return yaml.load(raw, Loader=LlamaFactoryLoader)
 
 
+class RecipeLoader(LlamaFactoryLoader):
+    """Recipes as LLaMA-Factory reads them, minus YAML aliases: a recipe is a flat list of arguments, and nested
+    aliases expand exponentially (a 'billion laughs' recipe grew lfa train past 6 GB)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"YAML alias *{event.anchor}: recipes may not use anchors "
+                                              "and aliases (write each value out)", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+MAX_RECIPE_BYTES = 1 << 20  # a LLaMA-Factory recipe is a few kB
+
+
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist")
     try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise UserError(f"recipe {path} is {path.stat().st_size / 2**20:.1f} MiB: not a LLaMA-Factory recipe "
+                            f"(at most {MAX_RECIPE_BYTES // 2**20} MiB)")
         text = path.read_text(encoding="utf-8")
-        data = yaml.load(text, Loader=LlamaFactoryLoader)
+        data = yaml.load(text, Loader=RecipeLoader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"cannot read recipe {path}: {exc}") from None
     if not isinstance(data, dict):
@@ -147,3 +165,42 @@ def recipe_model_spec(recipe: Recipe, workdir: Path | None = None, model: str | 
         if recipe.meta.get("model"):
             return load_model_spec(str(recipe.meta["model"]))
         raise
+
+
+def dataset_files(recipe: Recipe, workdir: Path | None = None) -> list[Path]:
+    """The local files of the recipe's datasets, through dataset_dir/dataset_info.json (resolved against where
+    LLaMA-Factory runs); the ones that cannot be found are left out."""
+    return [path for path, _ in dataset_entries(recipe, workdir)]
+
+
+def dataset_entries(recipe: Recipe, workdir: Path | None = None) -> list[tuple[Path, dict]]:
+    """(file, its column mapping) of each local dataset file of the recipe."""
+    dataset_dir = (workdir or recipe.folder) / str(recipe.data.get("dataset_dir", "data"))
+    try:
+        info = json.loads((dataset_dir / "dataset_info.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    files = []
+    for name in str(recipe.data.get("dataset", "")).split(","):
+        entry = info.get(name.strip()) if isinstance(info, dict) else None
+        if isinstance(entry, dict) and entry.get("file_name"):
+            path = dataset_dir / str(entry["file_name"])
+            if path.is_file():
+                columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
+                files.append((path, columns))
+    return files
+
+
+def file_fingerprint(path: Path, edge_bytes: int = 1 << 20) -> str:
+    """Size and a hash of the first and last MiB: cheap on large datasets, and changes with any edit that changes
+    the size, the head or the tail (row order is what a resumed run depends on)."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(edge_bytes))
+        if size > edge_bytes:
+            handle.seek(max(edge_bytes, size - edge_bytes))
+            digest.update(handle.read(edge_bytes))
+    return f"{size}:{digest.hexdigest()[:16]}"

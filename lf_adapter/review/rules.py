@@ -19,6 +19,7 @@ from ..tasks import TaskSpec, chat_template_files, task_files, load_task
 from .findings import Finding, raw_scalars
 from .lf_checks import _installed, _version_matches, llamafactory_templates, version_keys
 from .summary import _dataset_rows
+from ..run.guard import foreign_entries, forbidden_output_dir, read_marker
 
 PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
 EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")
@@ -193,6 +194,21 @@ def _nvme_paths(c: RuleContext, zero: dict) -> None:
             c.add("error", "nvme_path_no_room", f"nvme_path {folder}: NVMe offload swaps {need:.0f} GiB (fp32 master "
                   f"weights, Adam moments, gradients) but {existing} has {free:.0f} GiB free (usable "
                   f"{disk_limit_gib(free):.0f}); point nvme_path at a larger local disk", "deepspeed")
+
+
+@rule("output_dir_forbidden", "output_dir_not_empty")
+def output_dir_safety(c: RuleContext) -> None:
+    """LLaMA-Factory writes checkpoints, config.json and README.md into output_dir: never a folder it must not touch."""
+    if not c.d.get("output_dir"):
+        return
+    path, _ = _resolve(c.workdir, c.recipe, str(c.d["output_dir"]))
+    where = forbidden_output_dir(path, c.recipe.folder)
+    if where:
+        c.add("error", "output_dir_forbidden", f"output_dir {c.d['output_dir']} resolves to {path.resolve()}, "
+              f"{where}: LLaMA-Factory would overwrite files there (lfa train refuses it)", "output_dir")
+    elif read_marker(path) is None and foreign_entries(path):
+        c.add("warning", "output_dir_not_empty", f"output_dir {path} already holds files lfa did not write "
+              f"({', '.join(foreign_entries(path)[:3])}): lfa train refuses it unless it is this run's", "output_dir")
 
 
 @rule("optimizer_changed")
@@ -373,10 +389,11 @@ def steps_per_epoch(c: RuleContext) -> None:
     if rows is None:
         return
     rows = min(rows, int(c.d["max_samples"])) if c.d.get("max_samples") else rows
-    steps = rows // plan.effective_batch_size
-    if steps < 1:
-        c.add("error", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
-              f"{plan.effective_batch_size}: not one optimizer step per epoch", "per_device_train_batch_size")
+    steps = -(-rows // plan.effective_batch_size)  # the trainer steps on a last, partial batch too
+    if rows < plan.effective_batch_size:
+        c.add("warning", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
+              f"{plan.effective_batch_size}: each epoch is one optimizer step of {rows} rows, not "
+              f"{plan.effective_batch_size}", "per_device_train_batch_size")
     elif steps < 10:
         c.add("warning", "few_steps_per_epoch", f"{rows} rows / effective batch {plan.effective_batch_size} = "
               f"{steps} optimizer steps per epoch: warmup and the schedule have little room",

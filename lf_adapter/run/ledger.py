@@ -56,6 +56,8 @@ class RunLedger:
     error: str | None = None
     resolved_recipe: str | None = None
     stopped_by: str | None = None
+    # what the checkpoints were trained from: the recipe file's keys and each dataset file's fingerprint
+    trained_from: dict = field(default_factory=dict)
 
     @property
     def last(self) -> AttemptRecord | None:

@@ -94,6 +94,37 @@ def classify(lines: list[str], returncode: int | None) -> Failure | None:
     return None
 
 
+def cgroup_oom_kills() -> int | None:
+    """The OOM killer's count for this process's cgroup (v2 memory.events oom_kill); None when not readable."""
+    try:
+        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+        events = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "memory.events"
+        for row in events.read_text().splitlines():
+            if row.startswith("oom_kill "):
+                return int(row.split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None
+
+
+HOST_OOM_RSS_SHARE = 0.85  # a trainer this close to the RAM it may use was plausibly killed for memory
+
+
+def host_oom_evidence(oom_kills_before: int | None, oom_kills_after: int | None, peak_rss_gib: float | None,
+                      ram_gib: float | None) -> str | None:
+    """Why a SIGKILL was the host's OOM killer, or None when nothing says so."""
+    if oom_kills_before is not None and oom_kills_after is not None and oom_kills_after > oom_kills_before:
+        return f"the cgroup's oom_kill count rose from {oom_kills_before} to {oom_kills_after}"
+    if peak_rss_gib and ram_gib and peak_rss_gib >= HOST_OOM_RSS_SHARE * ram_gib:
+        return f"the trainer's RSS reached {peak_rss_gib:.1f} of {ram_gib:.1f} GiB"
+    return None
+
+
+def unexplained_kill(failure: "Failure", why_not: str) -> "Failure":
+    """A SIGKILL classified host_oom_kill by its text, re-labelled when nothing shows a host OOM."""
+    return Failure("killed", True, [*failure.evidence, why_not], failure.details)
+
+
 class LineReader:
     """Turns appended bytes into lines: tqdm's carriage returns end a line, bad UTF-8 is replaced."""
 

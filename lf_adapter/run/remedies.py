@@ -47,6 +47,7 @@ class Context:
     seq_len: int = 2048  # cutoff_len
     mean_seq_fraction: float = 0.75
     liger_available: bool = False
+    dataloader_workers: int | None = None  # the recipe's dataloader_num_workers (None: LLaMA-Factory's default)
 
 
 def _fragmentation(a, f, c):
@@ -179,8 +180,9 @@ def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | No
             return None
         return dataclasses.replace(a, keys={**a.keys, "save_total_limit": 1}), "disk full: keep only the newest checkpoint"
     if action == "fewer_workers":
-        if a.keys.get("dataloader_num_workers") == 0:
-            return None
+        workers = a.keys.get("dataloader_num_workers", c.dataloader_workers)
+        if workers is not None and int(workers) == 0:
+            return None  # nothing to take away: never an identical retry
         return dataclasses.replace(a, keys={**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}), (
             "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
     if action == "lower_lr":

@@ -17,17 +17,21 @@ from pathlib import Path
 
 from .. import UserError
 from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions
+from .guard import claim_output_dir, foreign_entries, output_dir_problem
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
 from .process import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
 from .progress import Reporter
-from .monitor import FileFollower, LineReader, TrainerLogWatcher, classify, failure_classes, fold_event
+from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_classes,
+                      fold_event, host_oom_evidence, unexplained_kill)
 from ..plan import Plan
 from ..planner import predict
 from ..throughput import speed_basis
-from ..recipe.read import Recipe, load_recipe, parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec
+from ..data import dataset_problems
+from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerprint, load_recipe, parse_value, plan_from_recipe,
+                           recipe_hardware, recipe_model_spec)
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 from ..recipe.keys import plan_keys
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
@@ -47,6 +51,7 @@ class TrainRequest:
     json_events: bool = False
     overrides: tuple[str, ...] = ()
     fresh: bool = False  # start without the checkpoints already in output_dir (renamed aside)
+    resume_anyway: bool = False  # resume although the recipe or its data changed since the checkpoints
     node_rank: int | None = None  # multi-node: this node's rank (one supervisor per node)
     master_addr: str | None = None  # override the profile's rendezvous host
     master_port: int | None = None
@@ -86,10 +91,20 @@ def write_accelerate_config(folder: Path, plan: Plan) -> None:
 
 
 def is_complete_checkpoint(path: Path) -> bool:
-    weights = any((path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json",
-                                                      "pytorch_model.bin", "pytorch_model.bin.index.json"))
-    optimizer = (path / "optimizer.pt").exists() or any(path.glob("global_step*"))
-    return (path / "trainer_state.json").is_file() and weights and optimizer
+    """Every file a resume reads is there, and what can be validated cheaply is whole: trainer_state.json and the
+    safetensors index parse as JSON, the weight and optimizer files are not empty (a torn write leaves them short)."""
+    weights = [path / name for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                                        "pytorch_model.bin.index.json") if (path / name).is_file()]
+    optimizer = [path / "optimizer.pt"] if (path / "optimizer.pt").is_file() else list(path.glob("global_step*"))
+    if not (path / "trainer_state.json").is_file() or not weights or not optimizer:
+        return False
+    for name in ("trainer_state.json", "model.safetensors.index.json"):
+        if (path / name).is_file():
+            try:
+                json.loads((path / name).read_text())
+            except (OSError, ValueError, UnicodeDecodeError):
+                return False
+    return all(f.is_dir() or f.stat().st_size > 0 for f in [*weights, *optimizer])
 
 
 def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -99,6 +114,37 @@ def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return found
+
+
+def attempt_peak_rss_gib(events_file: Path, attempt: int) -> float | None:
+    """The largest host RSS rank 0's plugin reported during one attempt (GiB), None without events."""
+    peak = None
+    try:
+        lines = events_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and event.get("attempt") == attempt and isinstance(event.get("host_rss_gib"),
+                                                                                      (int, float)):
+            peak = max(peak or 0.0, float(event["host_rss_gib"]))
+    return peak
+
+
+def set_aside_previous_output(output_dir: Path) -> Path | None:
+    """--fresh: everything an earlier run left in output_dir (checkpoints, the final model, logs) moves into
+    superseded-<time>/ there, so LLaMA-Factory sees an empty folder and nothing is deleted."""
+    entries = [p for p in foreign_entries(output_dir) if not p.startswith("superseded-")]
+    if not entries:
+        return None
+    target = output_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.mkdir(exist_ok=True)
+    for name in entries:
+        (output_dir / name).rename(target / name)
+    return target
 
 
 def set_aside_poisoned_checkpoints(output_dir: Path, last_finite_step: int | None) -> list[str]:
@@ -265,6 +311,47 @@ def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
 LOCK_NAME = ".lfa-train.lock"
 
 
+def run_folders(request: TrainRequest, recipe: Recipe) -> tuple[Path, Path]:
+    """The run folder (created) and output_dir (checked: lfa never writes into a folder it did not create), before
+    anything else is written. UserError with one message otherwise."""
+    name = request.name or recipe.folder.resolve().name
+    run_dir = (request.run_dir or Path("runs") / name).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), run_dir)
+        raise UserError(f"cannot make the run folder {run_dir}: {blocker} is a file; move it or pass --run-dir") \
+            from None
+    output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
+    holder = lock_holder(run_dir, output_dir)
+    if holder:  # say who runs there before saying whose folder it is
+        raise UserError(f"{output_dir if (output_dir / LOCK_NAME).is_file() else run_dir} is in use by {holder}: one "
+                        "supervisor per run. Follow it with `lfa status` / `lfa logs -f`, or end it with `lfa stop`")
+    try:
+        history = bool(read_ledger(run_dir).attempts) if (run_dir / LEDGER_NAME).is_file() else False
+    except UserError:
+        history = True  # a damaged ledger of this run: its output_dir is still its own
+    problem = output_dir_problem(output_dir, recipe.folder, run_dir, history, shared=request.node_rank is not None)
+    if problem:
+        raise UserError(problem)
+    return run_dir, output_dir
+
+
+def lock_holder(run_dir: Path, output_dir: Path) -> str | None:
+    """Who holds this run's or this output_dir's lock right now (a running supervisor), or None."""
+    import fcntl
+
+    for path in (run_dir / LOCK_NAME, output_dir / LOCK_NAME):
+        if not path.is_file():
+            continue
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "another lfa train"
+    return None
+
+
 def hold_run_locks(run_dir: Path, output_dir: Path, node_rank: int | None = None) -> list:
     """One supervisor per run folder and per output_dir: an exclusive flock on each, held for the life of this
     process (the kernel drops it when the process dies, kill -9 included). A second `lfa train` of the same run
@@ -355,6 +442,50 @@ def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | 
     return None
 
 
+def training_inputs(recipe: Recipe) -> dict:
+    """What a run's checkpoints come from: the recipe file's keys (--set keys are said on the command line, so
+    they are not part of it) and a fingerprint of each dataset file."""
+    return {"recipe": json.loads(json.dumps(recipe.data, default=str)),
+            "datasets": {str(path.resolve()): file_fingerprint(path) for path in dataset_files(recipe)}}
+
+
+def refuse_bad_dataset(recipe: Recipe) -> None:
+    """The dataset files LLaMA-Factory will read, checked before anything starts (file:line for each problem)."""
+    problems = [p for path, columns in dataset_entries(recipe) for p in dataset_problems(path, columns)]
+    if problems:
+        raise UserError("the dataset would fail or lose rows in LLaMA-Factory; not started:\n" +
+                        "\n".join(f"  {p}" for p in problems))
+
+
+def refuse_changed_resume(request: TrainRequest, recipe: Recipe, ledger: RunLedger, output_dir: Path) -> dict:
+    """This run's training inputs; UserError when checkpoints would be resumed under a changed recipe or dataset
+    without --resume-anyway (or --fresh)."""
+    now = training_inputs(recipe)
+    if not request.fresh and not request.resume_anyway and newest_complete_checkpoint(output_dir, tidy=False):
+        changed = changed_inputs(ledger.trained_from, now)
+        if changed:
+            raise UserError(f"the recipe or its data changed since this run's checkpoints were trained ("
+                            f"{'; '.join(changed)}): resuming would continue the old run under the new settings. "
+                            "Pass --resume-anyway to resume, or --fresh to start over (old checkpoints are renamed "
+                            "aside)")
+    return now
+
+
+def changed_inputs(before: dict, now: dict) -> list[str]:
+    """Each change between two training_inputs records, for one message (empty: nothing changed, or nothing was
+    recorded before)."""
+    if not before:
+        return []
+    old, new = before.get("recipe", {}), now.get("recipe", {})
+    changes = [f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+               for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    old_data, new_data = before.get("datasets", {}), now.get("datasets", {})
+    changes += [f"dataset {Path(path).name} " + ("removed" if path not in new_data else "added" if path not in old_data
+                                                   else "edited")
+                for path in sorted(set(old_data) | set(new_data)) if old_data.get(path) != new_data.get(path)]
+    return changes
+
+
 def trained_model_spec(recipe: Recipe) -> ModelSpec | None:
     """The shape of the model the recipe trains (what is written to disk); None when lfa cannot know it."""
     try:
@@ -378,7 +509,9 @@ def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSp
                    model=load_model_spec(emulated) if emulated else trained,
                    seq_len=int(recipe.data.get("cutoff_len") or 2048),
                    mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
-                   liger_available=liger_available)
+                   liger_available=liger_available,
+                   dataloader_workers=int(recipe.data["dataloader_num_workers"])
+                   if str(recipe.data.get("dataloader_num_workers", "")).isdigit() else None)
 
 
 def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, model: ModelSpec | None) -> dict:
@@ -458,15 +591,16 @@ def prepare(request: TrainRequest) -> RunSetup:
     if "output_dir" not in recipe.data:
         raise UserError(f"{recipe.path} has no output_dir")
     name = request.name or recipe.folder.resolve().name
-    run_dir = (request.run_dir or Path("runs") / name).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
-    locks = hold_run_locks(run_dir, output_dir, request.node_rank)
-    ended_orphan = end_orphaned_trainer(run_dir)
-    if request.fresh:  # earlier checkpoints are renamed aside, never deleted
-        for step, path in _checkpoints(output_dir):
-            path.rename(path.with_name(f"superseded-{path.name}-{int(time.time())}"))
+    run_dir, output_dir = run_folders(request, recipe)
     ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
+    refuse_bad_dataset(recipe)  # both before anything is locked, created or renamed
+    trained_from = refuse_changed_resume(request, recipe, ledger, output_dir)
+    locks = hold_run_locks(run_dir, output_dir, request.node_rank)
+    claim_output_dir(output_dir, run_dir, recipe.path)
+    ended_orphan = end_orphaned_trainer(run_dir)
+    if request.fresh:  # what earlier attempts wrote is moved aside, never deleted
+        set_aside_previous_output(output_dir)
+    ledger.trained_from = trained_from
     rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
                                                             ("MASTER_ADDR", request.master_addr),
                                                             ("MASTER_PORT", request.master_port)) if value is not None}
@@ -591,11 +725,22 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                 record.trainer_pid = pid
                 save()
 
+            oom_kills_before = cgroup_oom_kills()
             result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start,
                                   trained_model.vocab_size if trained_model else None, request.stop_on_divergence,
                                   start_process)
             tail = result.pop("tail")
             failure = classify(tail, result["returncode"])
+            if failure is not None and failure.kind == "host_oom_kill":
+                peak = attempt_peak_rss_gib(run_dir / "events.jsonl", n)
+                ram = hardware.ram_gib or None
+                evidence = host_oom_evidence(oom_kills_before, cgroup_oom_kills(), peak, ram)
+                if evidence:
+                    failure.evidence.append(f"host OOM: {evidence}")
+                else:
+                    failure = unexplained_kill(failure, "no sign of a host OOM: the cgroup's oom_kill count did not "
+                                               "rise" + (f", the trainer's RSS peaked at {peak:.2f} of {ram:.0f} GiB"
+                                                         if peak and ram else "") + "; killed by someone else")
             if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
                 failure = classify(["lfa: non-finite loss or grad_norm"], None)
             if result["live_stop"] and result["live_stop"]["kind"] == "loss_diverged":
@@ -702,14 +847,23 @@ class DetachedRun:
 def start_detached(request: TrainRequest) -> DetachedRun:
     """Re-run `lfa train` without --detach in a new session: it survives logout (no nohup needed)."""
     name = request.name or request.recipe.resolve().parent.name
-    run_dir = (request.run_dir or Path("runs") / name).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe = load_recipe(request.recipe)
+    if "output_dir" not in recipe.data:
+        raise UserError(f"{recipe.path} has no output_dir")
+    run_dir, output_dir = run_folders(request, recipe)  # refuses a run in use: the background one only would
+    try:
+        ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger("")
+    except UserError:
+        ledger = RunLedger("")
+    refuse_bad_dataset(recipe)
+    refuse_changed_resume(request, recipe, ledger, output_dir)
     args = [sys.executable, "-m", "lf_adapter.cli", "train", str(request.recipe.resolve()), "--run-dir", str(run_dir),
             "--name", name, "--max-attempts", str(request.max_attempts)]
     args += ["--allow-hparam-change"] if request.allow_hparam_change else []
     args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
     args += ["--hardware", request.hardware] if request.hardware else []
     args += ["--fresh"] if request.fresh else []
+    args += ["--resume-anyway"] if request.resume_anyway else []
     args += ["--stop-on-divergence"] if request.stop_on_divergence else []
     args += ["--master-addr", request.master_addr] if request.master_addr else []
     args += ["--master-port", str(request.master_port)] if request.master_port else []
