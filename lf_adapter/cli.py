@@ -129,7 +129,7 @@ def _print_plan(gen_or_result, model, hardware) -> None:
     click.echo(f"plan: {c.plan.label()}  ({model.name}, {model.num_params / 1e9:.2f} B params, on {hardware.name})")
     for key, why in c.plan.reasons.items():
         click.echo(f"  {key}: {why}")
-    click.echo("memory per GPU (GiB):")
+    click.echo(_memory_heading(hardware))
     for item, gib in c.memory.items.items():
         click.echo(f"  {gib:8.2f}  {item}")
     limit = c.memory.limit_gib
@@ -146,6 +146,12 @@ def _print_plan(gen_or_result, model, hardware) -> None:
             why = "GPU" if not r.memory.fits else "host RAM"
             click.echo(f"  {r.plan.label():50s} {r.memory.reserved_gib:7.2f} GiB  host {r.host.total_gib:6.1f} GiB "
                        f"({why})")
+
+
+def _memory_heading(hardware) -> str:
+    if hardware.has_gpu:
+        return "memory per GPU (GiB, predicted):"
+    return "memory of each training process (GiB of host RAM, predicted; no GPU):"
 
 
 def _print_host(host) -> None:
@@ -318,7 +324,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
                                    "host": host.to_dict()}, indent=2))
             sys.exit(0 if mem.fits and host.fits else 1)
         click.echo(f"{r.path}: {p.label()} ({spec.name}, {spec.num_params / 1e9:.2f} B params, on {hw.name})")
-        click.echo("memory per GPU (GiB):")
+        click.echo(_memory_heading(hw))
         for item, gib in mem.items.items():
             click.echo(f"  {gib:8.2f}  {item}")
         limit = mem.limit_gib

@@ -76,6 +76,7 @@ class HardwareProfile:
     master_port: int = 29500
     hosts: tuple[str, ...] = ()  # optional: host name of each node, in rank order
     disk: DiskSpec | None = None  # the disk NVMe offload may swap to; None: lfa plans no disk offload
+    internode_gbs: float = 0.0  # network between nodes per node, GB/s (400 Gb/s InfiniBand: 50); 0: unknown
 
     @property
     def world_size(self) -> int:
@@ -118,6 +119,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
             master_port=int(data.get("master_port", 29500)),
             hosts=tuple(str(h) for h in data.get("hosts") or ()),
             disk=disk_spec,
+            internode_gbs=float(data.get("internode_gbs", 0.0)),
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None

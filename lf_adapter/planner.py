@@ -414,7 +414,8 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       "speed priced as ZeRO-3 (not measured)" + ("; NOTE on a CPU accelerate runs this as plain "
                                                                  "DDP: it shards on GPUs only" if p.on_cpu else "")
                       if p.sharding == "fsdp2" else
-                      ("none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
+                      ("none: no GPU (DeepSpeed needs one)" if p.on_cpu else
+                       "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
                        if p.world_size == 1 else "none: DDP, every GPU holds the model state")),
         "padding_free": ("on (pinned): each micro-batch's rows are flattened into one sequence with position ids "
                          "restarting per row and attention limited to each row, so no compute goes to padding and "
@@ -435,6 +436,7 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       "retrying (synchronizing cudaFree/cudaMalloc) near the limit" if p.alloc_conf else
                       "default caching allocator"),
         "optimizer": OPTIMIZER_REASONS[p.optimizer],
-        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s; {len(fitting)} plans fit",
+        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s" +
+                      (" (a rough CPU FLOP rate, not measured)" if p.on_cpu else "") + f"; {len(fitting)} plans fit",
     }
     return p.replace(reasons=reasons)

@@ -98,8 +98,13 @@ def nvme_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> floa
 
 
 def _link_bytes_per_s(hardware: HardwareProfile) -> float:
+    """The slowest link a collective over every GPU crosses: inside a node NVLink or PCIe, between nodes the
+    profile's internode_gbs (else a typical 100 Gb/s network, not measured)."""
     t = coefficients()["throughput"]
-    return t["nvlink_bytes_per_s"] if hardware.interconnect == "nvlink" else t["pcie_bytes_per_s"]
+    link = t["nvlink_bytes_per_s"] if hardware.interconnect == "nvlink" else t["pcie_bytes_per_s"]
+    if hardware.nodes > 1:
+        link = min(link, hardware.internode_gbs * 1e9 if hardware.internode_gbs else t["internode_bytes_per_s"])
+    return link
 
 
 def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
@@ -134,6 +139,10 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
         basis += "; " + nvme_basis(hardware)
     if plan.sharding == "fsdp2":
         basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
+    if hardware.nodes > 1:
+        basis += (f"; between nodes {hardware.internode_gbs:g} GB/s (the profile's internode_gbs)"
+                  if hardware.internode_gbs else "; between nodes a typical 100 Gb/s network (not measured: declare "
+                  "internode_gbs in the profile)")
     if "H200" in gpu.name:
         caveats = [text for applies, text in (
             (plan.offloads_to_nvme, nvme_basis(hardware)),

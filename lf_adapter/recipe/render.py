@@ -190,21 +190,35 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def write_recipe_dir(files: dict[str, str], out_dir: Path, force: bool = False) -> list[Path]:
+    """Write the recipe folder through a temporary folder beside it: a new folder appears whole (one rename), an
+    existing one gets each file by rename, so no reader sees half a file and two generates cannot interleave
+    their writes inside one file."""
+    import shutil
+    import tempfile
+
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         existing = [name for name in files if (out_dir / name).exists()]
         if existing and not force:
             raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --force to overwrite")
-        written = []
-        for name, text in files.items():
-            path = out_dir / name
-            path.write_text(text)
-            if name.endswith(".sh"):
-                path.chmod(0o755)
-            written.append(path)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.lfa-", dir=out_dir.parent))
+        try:
+            for name, text in files.items():
+                path = staging / name
+                path.write_text(text)
+                if name.endswith(".sh"):
+                    path.chmod(0o755)
+            if not out_dir.exists():
+                staging.chmod(0o755)
+                staging.rename(out_dir)
+            else:
+                for name in files:
+                    os.replace(staging / name, out_dir / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         raise UserError(f"cannot write the recipe into {out_dir}: {exc.strerror or exc}") from None
-    return written
+    return [out_dir / name for name in files]
 
 
 def relative_to_dir(target: str, directory: Path) -> str:

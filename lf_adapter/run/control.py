@@ -20,7 +20,9 @@ def resolve_run_dir(run: str) -> Path:
     for candidate in (Path(run), Path("runs") / run):
         if (candidate / "ledger.json").is_file() or (candidate / "supervisor.pid").is_file():
             return candidate
-    raise UserError(f"no run '{run}': neither {run} nor runs/{run} holds a ledger.json (see `lfa status`)")
+    where = f"{run} holds no ledger.json" if Path(run).is_absolute() else \
+        f"neither {run} nor runs/{run} holds a ledger.json"
+    raise UserError(f"no run '{run}': {where} (see `lfa status`)")
 
 
 @dataclass

@@ -169,6 +169,8 @@ def fold_event(state: dict, event: dict) -> None:
     steps), loss, torch's peak reserved memory."""
     if event.get("event") == "step":
         state["step"], state["total"] = event.get("global_step"), event.get("max_steps")
+        if isinstance(event.get("global_step"), int):  # several events can arrive in one read: keep the first
+            state["first_step"] = min(state.get("first_step") or event["global_step"], event["global_step"])
         if event.get("step_tokens") and event.get("step_time_s"):
             rate = event["step_tokens"] / event["step_time_s"]
             previous = state.get("tokens_per_s")

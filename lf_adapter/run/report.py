@@ -102,7 +102,7 @@ def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int,
         kind = event.get("event")
         if kind == "train_begin":
             s.world_size = event.get("world_size")
-        elif kind == "step" and event.get("global_step") is not None:
+        elif kind == "step" and isinstance(event.get("global_step"), int):  # anything else is not a step we drew
             s.steps.append(int(event["global_step"]))
             s.times.append(float(event.get("time") or 0.0))
             tokens, seconds = event.get("step_tokens"), event.get("step_time_s")
@@ -249,8 +249,11 @@ def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
     loss = "-" if h["final_loss"] is None else f"{h['final_loss']:.4f} at step {h['final_step']}"
     lines.append(f"  final loss   {loss}")
     if report.output_dir is not None:
+        checkpoints = sorted(Path(report.output_dir).glob("checkpoint-*")) if report.state != "succeeded" else []
         lines.append(f"  model        {report.output_dir}" +
-                     ("" if report.state == "succeeded" else " (checkpoints only: the run did not finish)"))
+                     ("" if report.state == "succeeded" else
+                      f" (checkpoints only, newest {checkpoints[-1].name}: the run did not finish)" if checkpoints else
+                      " (nothing to use: the run did not finish and left no checkpoint)"))
     if report_path is not None:
         lines.append(f"  report       {report_path}")
     return lines
@@ -404,7 +407,7 @@ def attempts_rows(report: RunReport) -> list[dict]:
         failure = a.failure or {}
         rows.append({"attempt": a.n, "plan": a.plan, "status": a.status or report.state,
                      "failure": failure.get("kind"),
-                     "evidence": (failure.get("evidence") or [None])[0],
+                     "evidence": evidence_message(failure.get("evidence") or []),
                      "remedy": f"{a.remedy['action']}: {a.remedy['why']}" if a.remedy else None,
                      "duration": _duration(a.duration_s or ((a.ended_at - a.started_at)
                                                             if a.ended_at and a.started_at else None)),
@@ -420,6 +423,19 @@ def communication_note(report: RunReport) -> str:
     return (f"{max(worlds)} processes: the share of step time spent waiting on communication is not measured by "
             "this version (it needs a CUDA profiler trace of NCCL kernels); the throughput plot against the "
             "prediction, which includes the gradient exchange, is the nearest figure.")
+
+
+def evidence_message(lines: list[str]) -> str | None:
+    """The line of a failure's evidence that says what went wrong: the exception's message, not the source line
+    that raised it."""
+    stripped = [line.strip() for line in lines if line and line.strip()]
+    messages = [line for line in stripped if not line.startswith(("raise ", "File ", "^"))]
+    return (messages or stripped or [None])[-1]
+
+
+# LLaMA-Factory's end-of-run figures that do not say what they are
+FINAL_LABELS = {"train_loss": "train_loss (the mean over the whole run, not the last loss)",
+                "train_runtime": "train_runtime (s, this attempt)"}
 
 
 def render_html(report: RunReport, figures: dict[str, Path]) -> str:
@@ -462,7 +478,8 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
     if finals:
         n, final = max(finals.items())
         parts.append(f"<h2>Final metrics (attempt {n})</h2><table>" +
-                     "".join(f"<tr><td>{esc(k)}</td><td>{_cell(round(v, 4) if isinstance(v, float) else v)}</td></tr>"
+                     "".join(f"<tr><td>{esc(FINAL_LABELS.get(k, k))}</td>"
+                             f"<td>{_cell(round(v, 4) if isinstance(v, float) else v)}</td></tr>"
                              for k, v in final.items()) + "</table>")
     last = report.attempts[-1] if report.attempts else None
     if last and last.predicted.get("memory_gib"):

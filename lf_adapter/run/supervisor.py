@@ -190,8 +190,10 @@ def _read_events(events_follower: FileFollower, reader: LineReader, state: dict)
     return changed
 
 
-def _note_step(result: dict, step: int) -> None:
-    result["first_step"] = result["first_step"] or step
+def _note_step(result: dict, step: int, first: int | None = None) -> None:
+    """Record the attempt's steps; `first`: the lowest step among the events read with this one."""
+    low = min(step, first) if first is not None else step
+    result["first_step"] = low if result["first_step"] is None else min(result["first_step"], low)
     result["last_step"] = max(result["last_step"] or 0, step)
 
 
@@ -199,7 +201,7 @@ def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: Train
     """After a stop signal: the steps the trainer reported before it ended, which the loop had no time to read."""
     state: dict = {}
     if _read_events(events, events_reader, state) and state.get("step"):
-        _note_step(result, state["step"])
+        _note_step(result, state["step"], state.get("first_step"))
     for record in watcher.poll():
         if record.get("current_steps") is not None:
             _note_step(result, record["current_steps"])
@@ -239,7 +241,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                     result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
             changed = _read_events(events, events_reader, state)
             if changed and state.get("step"):  # the plugin's step event can precede trainer_log.jsonl's record
-                _note_step(result, state["step"])
+                _note_step(result, state["step"], state.get("first_step"))
             if time.time() - probed_at > 2.0:
                 state["gpu_used_gib"], probed_at, changed = gpu_probe.used_gib(), time.time(), True
             for record in watcher.poll():
@@ -828,7 +830,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             last.ended_at = last.ended_at or time.time()
         save()
         reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
-        return 130
+        return 143 if interrupted["signal"] == signal.SIGTERM else 130  # 128 + the signal, as shells report it
     finally:
         reporter.end_progress()
         for signum, handler in previous.items():
