@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from . import UserError, __version__
-from .run.process import REPORT_TO
+from .recipe.keys import REPORT_TO
 
 
 def user_errors(fn):

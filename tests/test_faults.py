@@ -68,6 +68,7 @@ def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
     assert ledger["status"] == "stopped"
     stopped = ledger["attempts"][0]
     assert stopped["status"] == "stopped" and stopped["returncode"] is not None and stopped["last_step"] >= 1
+    assert stopped["duration_s"] > 0  # the stopped attempt's wall time counts
     pid = ledger["attempts"][0]["trainer_pid"]
     assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
     # the plugin saved the work since the last save (save_steps is 500) before stopping

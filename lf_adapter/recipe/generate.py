@@ -46,7 +46,7 @@ class GenerateRequest:
     logging_steps: int = 10
     name: str = "train"
     command: str = ""
-    report_to: str = "none"  # a key of launch.REPORT_TO
+    report_to: str = "none"  # a key of recipe.keys.REPORT_TO
     allow_optimizer_change: bool = False  # memory-light optimizers may be chosen (they change what is trained)
     nvme_path: str | None = None  # NVMe offload's swap folder instead of the profile's disk path
 

@@ -13,8 +13,7 @@ from .. import UserError, __version__, templates_dir
 from ..hardware import HardwareProfile
 from ..memory import NvmeSettings, nvme_settings
 from ..model_spec import ModelSpec
-from ..run.process import ACCELERATE_FSDP2_FILE, launch_env
-from .keys import OPTIMIZER_KEYS, deepspeed_file_name, plan_keys
+from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, launch_env, plan_keys
 from ..plan import Plan
 from ..tasks import TaskSpec, chat_template_files
 

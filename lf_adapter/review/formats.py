@@ -27,7 +27,7 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         if s is None:
             continue
         line = f"{r.path}: {s.plan} on {s.hardware}, effective batch {s.effective_batch}, " \
-               f"~{s.tokens_per_step:,} tokens/step"
+               f"~{s.tokens_per_step:,} tokens/step" + (f" ({s.tokens_basis})" if s.tokens_basis else "")
         if s.reserved_gib is not None:
             line += f", {s.reserved_gib:.1f} of {s.budget_gib:.1f} GiB"
         if s.host_gib is not None:

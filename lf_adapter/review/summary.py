@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import UserError
 from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
@@ -28,6 +29,7 @@ class ReviewSummary:
     deepspeed: str
     gradient_checkpointing: bool
     tokens_per_step: int
+    tokens_basis: str = ""  # where the mean row length comes from
     note: str | None = None
     model: str | None = None
     memory_gib: dict[str, float] | None = None
@@ -49,13 +51,13 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
               workdir: Path | None = None) -> ReviewSummary:
     d = recipe.data
     cutoff = int(d.get("cutoff_len", 2048))
-    fraction = 1.0 if plan.packing else float(recipe.meta.get("mean_seq_fraction", 0.75))
+    fraction, tokens_basis = _mean_seq_fraction(recipe, workdir or recipe.folder, cutoff, plan)
     summary = ReviewSummary(
         hardware=hardware.name, plan=plan.label(), precision=plan.precision, micro_batch=plan.micro_batch_size,
         grad_accum=plan.grad_accum, gpus=plan.world_size, effective_batch=plan.effective_batch_size,
         deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
         if plan.deepspeed else "none", gradient_checkpointing=plan.gradient_checkpointing,
-        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction))
+        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction), tokens_basis=tokens_basis)
     if spec is None:
         summary.note = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
         return summary
@@ -80,6 +82,27 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
         summary.dataset_rows = rows
         summary.predicted_wall_time_s = round(total / tokens_per_s)
     return summary
+
+
+def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -> tuple[float, str]:
+    """Mean row length / cutoff_len: 1 when packed; lfa's header (measured at generate); else the dataset when it
+    is readable here (characters / 3, an estimate); else the planner's assumption of 75%, said as such."""
+    if plan.packing:
+        return 1.0, "packed rows fill cutoff_len"
+    if recipe.meta.get("mean_seq_fraction") is not None:
+        return float(recipe.meta["mean_seq_fraction"]), "mean row length measured by lfa generate"
+    from ..data import profile_dataset
+    from ..recipe.read import dataset_entries
+
+    for path, columns in dataset_entries(recipe, workdir):
+        try:
+            profile = profile_dataset(str(path), columns or {"prompt": "instruction", "query": "input",
+                                                             "response": "output"}, cutoff)
+        except UserError:
+            break
+        return profile.mean_seq_fraction, f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} " \
+                                          f"({profile.counted_with})"
+    return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
 
 
 def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
-from .process import launch_env
+from ..recipe.keys import launch_env
 from .monitor import Failure, LineReader, classify, failure_classes
 from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Remedy, next_remedy

@@ -6,73 +6,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..plan import Plan
 from ..plugin import boot_dir
 
-ACCELERATE_FSDP2_FILE = "accelerate_fsdp2.yaml"  # beside the recipe; FSDP2 plans start with it
-
-# NVLink multicast can wedge shared hosts; NCCL, PyTorch and NVSHMEM each need it off explicitly.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """One exported variable, its value (shell syntax allowed in launch.sh) and why it is set."""
-    name: str
-    value: str
-    why: str
-
-
-# experiment trackers `lfa generate --report-to` writes, and the package each needs in the training environment
-REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
-
-
-def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None,
-               report_to=None) -> list[LaunchEnv]:
-    """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them. report_to: the
-    recipe's LLaMA-Factory `report_to` (a name or a list)."""
-    env = [LaunchEnv("DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers")]
-    trackers = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    if "wandb" in trackers:
-        env.append(LaunchEnv("WANDB_MODE", "${WANDB_MODE:-offline}", "W&B logs offline unless you set WANDB_MODE "
-                                                                     "(`wandb sync` uploads later)"))
-    if offline:
-        env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
-    distributed = plan.deepspeed is not None or plan.world_size > 1
-    if plan.sharding == "fsdp2":  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
-        env += [LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
-                LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
-                LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port")]
-    elif plan.launcher == "ray":
-        env.append(LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)"))
-        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
-    elif distributed:
-        env += [
-            LaunchEnv("FORCE_TORCHRUN", "1", "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself"),
-            LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
-            LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
-            LaunchEnv("NODE_RANK", "${NODE_RANK:-0}" if plan.nodes > 1 else "0", "this node's rank"),
-            LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
-            LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
-        ]
-        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
-    env.append(LaunchEnv("LFA_DROP_PADDING_MASK", "1", "lfa plugin: right-padded batches train without a padding mask "
-                                                        "(exact under causal attention; SDPA keeps its flash kernel)"))
-    if plan.padding_free:
-        env.append(LaunchEnv("LFA_PADDING_FREE", "1", "lfa plugin: each micro-batch's rows flattened into one sequence, "
-                                                       "attention kept per row (no compute on padding, exact)"))
-    if plan.sorted_steps:
-        env.append(LaunchEnv("LFA_SORTED_STEPS", "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
-                                                       "step (same rows per step, less padding)"))
-    if plan.alloc_conf:
-        if distributed:
-            env.append(LaunchEnv("OPTIM_TORCH", "0", "otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children"))
-        env.append(LaunchEnv("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf, "allocator: reuse memory across changing "
-                                                                         "micro-batch shapes instead of fragmenting it"))
-    return env
+X
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:

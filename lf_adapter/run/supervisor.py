@@ -21,7 +21,7 @@ from .guard import claim_output_dir, foreign_entries, output_dir_problem
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
-from .process import (group_alive, launch_env, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
+from .process import (group_alive, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
 from .progress import Reporter
 from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_classes,
@@ -33,7 +33,7 @@ from ..data import dataset_problems
 from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerprint, load_recipe, parse_value, plan_from_recipe,
                            recipe_hardware, recipe_model_spec)
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
-from ..recipe.keys import plan_keys
+from ..recipe.keys import launch_env, plan_keys
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
 # stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
@@ -224,7 +224,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
     with log_path.open("ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
         log_file.flush()
-        started = time.time()
+        started = result["started_at"] = time.time()
         process = start_process(command, cwd, env, log_file)
         interrupted.update(process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher,
                                                                                    result))
@@ -828,6 +828,9 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             if last.returncode is None and process is not None:
                 last.returncode = process.poll()
             last.ended_at = last.ended_at or time.time()
+            started = last.started_at or progress.get("started_at")
+            if last.duration_s is None and started:  # the wall time of a stopped attempt counts too
+                last.started_at, last.duration_s = started, round(last.ended_at - started, 2)
         save()
         reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
         return 143 if interrupted["signal"] == signal.SIGTERM else 130  # 128 + the signal, as shells report it
