@@ -10,8 +10,7 @@ from pathlib import Path
 
 from ..plan import Plan
 from ..plugin import boot_dir
-
-X
+from ..recipe.keys import ACCELERATE_FSDP2_FILE, LaunchEnv
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
