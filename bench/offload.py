@@ -57,24 +57,21 @@ RUNS = {
 OPTIMIZER_RUN_ARGS = ["--precision", "fp16", "--set", "effective_batch_size=8", "--set", "seed=42"]
 
 
-class FolderBytes:
-    """Peak bytes under a folder (the NVMe swap files), sampled in a thread."""
+class PeakSampler:
+    """The peak of measure() (GiB), sampled in a thread until stop(); measure returns None when there is nothing
+    left to measure."""
 
-    def __init__(self, folder: Path, period_s: float = 1.0):
-        self.folder, self.period_s, self.peak_gib, self._stop = folder, period_s, 0.0, threading.Event()
+    def __init__(self, measure, period_s: float):
+        self.measure, self.period_s, self.peak_gib, self._stop = measure, period_s, 0.0, threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = 0
-            for root, _, files in os.walk(self.folder):
-                for name in files:
-                    try:
-                        total += os.path.getsize(os.path.join(root, name))
-                    except OSError:
-                        pass
-            self.peak_gib = max(self.peak_gib, total / 2**30)
+            value = self.measure()
+            if value is None:
+                return
+            self.peak_gib = max(self.peak_gib, value)
             time.sleep(self.period_s)
 
     def stop(self) -> float:
@@ -83,35 +80,33 @@ class FolderBytes:
         return self.peak_gib
 
 
-class TreeRss:
-    """Peak summed RSS of a process and all its descendants (psutil), sampled in a thread."""
-
-    def __init__(self, pid: int, period_s: float = 0.25):
-        self.pid, self.period_s, self.peak_gib, self._stop = pid, period_s, 0.0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
+def folder_gib(folder: Path) -> float:
+    """Bytes under a folder (the NVMe swap files)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
             try:
-                root = psutil.Process(self.pid)
-                total = 0
-                for proc in [root, *root.children(recursive=True)]:
-                    try:
-                        total += proc.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak_gib = max(self.peak_gib, total / 2**30)
-            except psutil.Error:
-                return
-            time.sleep(self.period_s)
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total / 2**30
 
-    def stop(self) -> float:
-        self._stop.set()
-        self.thread.join(timeout=2)
-        return self.peak_gib
+
+def tree_rss_gib(pid: int) -> float | None:
+    """Summed RSS of a process and all its descendants (psutil); None once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        return total / 2**30
+    except psutil.Error:
+        return None
 
 
 def big_ram_profile(work: Path) -> Path:
@@ -152,8 +147,8 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
              "--max-attempts", "1"]
     with open(out / f"{label}.log", "wb") as log:
         process = subprocess.Popen(train, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        sampler = TreeRss(process.pid)
-        swap = FolderBytes(work / "swap" / label)
+        sampler = PeakSampler(lambda: tree_rss_gib(process.pid), 0.25)
+        swap = PeakSampler(lambda: folder_gib(work / "swap" / label), 1.0)
         try:
             rc = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:  # lfa train stops the trainer's group on SIGINT
