@@ -106,5 +106,9 @@ def write_ledger(run_dir: Path, ledger: RunLedger) -> None:
     """Atomic: readers (lfa status, a second terminal) see the old or the new ledger, never half of one."""
     path = run_dir / LEDGER_NAME
     tmp = path.with_name(f".{LEDGER_NAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(ledger.to_dict(), indent=2, default=str))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(ledger.to_dict(), indent=2, default=str))
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left behind; the old ledger stays
+        raise
