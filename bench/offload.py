@@ -137,7 +137,8 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
            str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", profile,
            *(OPTIMIZER_RUN_ARGS if optimizer_run else []),
-           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={20 if label.startswith('opt_') else steps}", "--set", "save_strategy=no",
+           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={20 if optimizer_run else steps}",
+           "--set", "save_strategy=no",
            *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
            "--logging-steps", "1", "-o", str(folder), "--force"]
     with open(out / f"{label}.gen.log", "wb") as log:

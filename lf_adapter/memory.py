@@ -245,7 +245,8 @@ class NvmeSettings:
 def nvme_settings(model: ModelSpec) -> NvmeSettings:
     c = coefficients()["nvme"]
     largest_tensor = max(model.embedding_params, model.hidden_size * model.intermediate_size)
-    return NvmeSettings(sub_group_size=int(c["sub_group_size"]), optimizer_buffer_count=int(c["optimizer_buffer_count"]),
+    return NvmeSettings(sub_group_size=int(c["sub_group_size"]),
+                        optimizer_buffer_count=int(c["optimizer_buffer_count"]),
                         param_buffer_count=int(c["param_buffer_count"]),
                         param_buffer_size=int(max(c["param_buffer_elements"], largest_tensor)),
                         param_max_in_cpu=int(c["param_max_in_cpu"]), aio_block_size=int(c["aio_block_size"]),

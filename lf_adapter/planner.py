@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
-from .memory import DEFAULT_HEADROOM, coefficients, HostMemory, MemoryBreakdown, disk_gib, disk_limit_gib, estimate, host_memory
+from .memory import (DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, coefficients, disk_gib, disk_limit_gib,
+                     estimate, host_memory)
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 from .throughput import predict_tokens_per_s

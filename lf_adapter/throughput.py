@@ -118,7 +118,8 @@ def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
 def nvme_basis(hardware: HardwareProfile) -> str:
     disk = hardware.disk
     if disk is not None and disk.known_rates:
-        rates = f"the profile's disk at {disk.read_gbs:g} GB/s read, {disk.write_gbs:g} GB/s write ({disk.source or 'source not given'})"
+        rates = (f"the profile's disk at {disk.read_gbs:g} GB/s read, {disk.write_gbs:g} GB/s write "
+                 f"({disk.source or 'source not given'})")
     else:
         c = coefficients()["nvme"]
         rates = (f"no measured disk rates in the profile: the H200 device's {c['default_read_gbs']:g} / "
