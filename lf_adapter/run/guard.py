@@ -15,7 +15,12 @@ LFA_FILES = (".lfa-train.lock",)
 def forbidden_output_dir(output_dir: Path, recipe_folder: Path, home: Path | None = None) -> str | None:
     """Why output_dir can never be a training output folder, or None."""
     output_dir, recipe_folder = output_dir.resolve(), recipe_folder.resolve()
-    home = (home or Path.home()).resolve()
+    if home is None:
+        try:
+            home = Path.home()
+        except (KeyError, RuntimeError):  # no HOME and no passwd entry
+            home = Path(output_dir.anchor)
+    home = home.resolve()
     if output_dir == Path(output_dir.anchor):
         return "the file system's root"
     if output_dir == home:
