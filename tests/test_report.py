@@ -159,3 +159,13 @@ def test_demo_ends_with_a_summary_and_writes_its_report(tmp_path):
         _png_is_a_picture(tmp_path / "demo" / "run" / f"{name}.png")
     ledger = read_ledger(tmp_path / "demo" / "run")
     assert ledger.attempts[0].predicted["speed_basis"].startswith("CPU")
+
+
+def test_events_that_are_not_steps_are_left_out_and_said(tmp_path):
+    run_dir = _run_folder(tmp_path, status="succeeded")
+    with (run_dir / "events.jsonl").open("a") as fh:  # after the cut line _run_folder leaves
+        fh.write('\n{"event": "step", "global_step": "7b", "attempt": 2}\n[1, 2]\n')
+    report, page = write_report(run_dir)
+    text = page.read_text()
+    assert "2 line(s) that are not events and 1 step event(s) without an integer step" in text
+    assert sorted(report.series[2].steps) == [5, 6, 7, 8]

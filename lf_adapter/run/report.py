@@ -67,18 +67,22 @@ def _finite(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def _read_events(path: Path) -> list[dict]:
+def _read_events(path: Path) -> tuple[list[dict], int]:
+    """The plugin's events, and how many lines were not events (cut by a kill, or damaged)."""
     if not path.is_file():
-        return []
-    events = []
+        return [], 0
+    events, skipped = [], 0
     for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut by a kill
+            skipped += line.strip() != ""
+            continue
         if isinstance(event, dict):
             events.append(event)
-    return events
+        else:
+            skipped += 1
+    return events, skipped
 
 
 def _attempt_of(event: dict, attempts: list[AttemptRecord]) -> int | None:
@@ -155,8 +159,13 @@ def collect(run_dir: Path) -> RunReport:
     ledger = read_ledger(run_dir)
     state = run_state(ledger)
     state = state if state in FINAL_STATES or state == "dead" else "running"  # new/starting: running, for people
-    series = split_events(_read_events(run_dir / "events.jsonl"), ledger.attempts)
+    events, skipped = _read_events(run_dir / "events.jsonl")
+    series = split_events(events, ledger.attempts)
     diff, output_dir, tensorboard, notes = _recipe_diff(ledger)
+    bad_steps = sum(1 for e in events if e.get("event") == "step" and not isinstance(e.get("global_step"), int))
+    if skipped or bad_steps:
+        notes = [*notes, f"events.jsonl: {skipped} line(s) that are not events and {bad_steps} step event(s) "
+                         "without an integer step were left out of the plots"]
     return RunReport(ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes)
 
 
