@@ -35,6 +35,7 @@ class FailureClass:
     patterns: tuple[re.Pattern, ...]
     ladder: tuple[str, ...]
     advice: str = ""  # what to do, for classes no retry can fix
+    stop_at_first_line: bool = False  # the trainer cannot recover by itself: end the attempt as soon as it shows
 
 
 @dataclass
@@ -51,10 +52,11 @@ class Failure:
 @lru_cache(maxsize=1)
 def failure_classes() -> tuple[FailureClass, ...]:
     data = yaml.safe_load((catalog_dir() / "failures" / "classes.yaml").read_text())
-    raise_problems([p for d in data for p in unknown_keys(d, ("name", "retriable", "patterns", "ladder", "advice"),
-                                                          f"{d.get('name', '?')}.")], "failures/classes.yaml")
+    keys = ("name", "retriable", "patterns", "ladder", "advice", "stop_at_first_line")
+    raise_problems([p for d in data for p in unknown_keys(d, keys, f"{d.get('name', '?')}.")], "failures/classes.yaml")
     return tuple(FailureClass(d["name"], bool(d["retriable"]), tuple(re.compile(p, re.M) for p in d["patterns"]),
-                              tuple(d["ladder"]), d.get("advice", "")) for d in data)
+                              tuple(d["ladder"]), d.get("advice", ""), bool(d.get("stop_at_first_line", False)))
+                 for d in data)
 
 
 def failure_class(name: str) -> FailureClass:

@@ -24,8 +24,8 @@ from ..model_spec import ModelSpec, load_model_spec
 from .process import (group_alive, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
 from .progress import Reporter
-from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_classes,
-                      fold_event, host_oom_evidence, unexplained_kill)
+from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_class,
+                      failure_classes, fold_event, host_oom_evidence, unexplained_kill)
 from ..plan import Plan
 from ..planner import predict
 from ..throughput import speed_basis
@@ -36,8 +36,6 @@ from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, ne
 from ..recipe.keys import launch_env, plan_keys
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 
-# stop the trainer at the first line: it cannot recover by itself (Ray's placement wait never ends)
-LIVE_FATAL = {"cuda_oom", "nccl_timeout", "ray_unschedulable"}
 POLL_S = 0.1
 
 
@@ -236,7 +234,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
             new_lines = reader.feed(follower.read_new())
             if detected_at is None and new_lines:
                 live = classify(new_lines, None)
-                if live and live.kind in LIVE_FATAL:
+                if live and failure_class(live.kind).stop_at_first_line:
                     detected_at = time.time()
                     result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
             changed = _read_events(events, events_reader, state)
