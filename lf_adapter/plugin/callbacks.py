@@ -1,6 +1,6 @@
 """Trainer callbacks lfa adds inside the training process: structured events, and test/bench fault injection.
 
-Environment (set by `lfa train`, or by tests and benchmarks):
+Environment (set by `lfa train`, or by tests and benchmarks; the names live in contract.py):
   LFA_EVENTS_FILE           append one JSON object per event (rank 0 only)
   LFA_EMULATE_VRAM_GIB      cap the CUDA caching allocator to emulate a smaller card (real CUDA OOMs)
   LFA_INJECT_OOM_ABOVE_MBS  raise torch's real OutOfMemoryError when the micro-batch is larger (CPU tests)
@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping
 
 from transformers import TrainerCallback
+
+from . import contract
 
 SAMPLER = {"name": None}  # which train sampler the patched trainer built (reported in train_begin)
 _STEP_TOKENS = {"value": None}  # non-pad tokens of the current optimizer step, a device tensor until read
@@ -50,7 +52,7 @@ def _cuda():
 
 
 def apply_memory_emulation() -> None:
-    cap = os.environ.get("LFA_EMULATE_VRAM_GIB")
+    cap = os.environ.get(contract.EMULATE_VRAM_GIB)
     cuda = _cuda()
     if cap and cuda is not None:
         device = int(os.environ.get("LOCAL_RANK", "0"))
@@ -108,8 +110,8 @@ class EventsCallback(TrainerCallback):
             event.update(_nvml_sample(cuda))
         event["host_rss_gib"] = round(host_rss_gib()[0], 3)
         event["time"] = time.time()
-        if os.environ.get("LFA_ATTEMPT", "").isdigit():
-            event["attempt"] = int(os.environ["LFA_ATTEMPT"])
+        if os.environ.get(contract.ATTEMPT, "").isdigit():
+            event["attempt"] = int(os.environ[contract.ATTEMPT])
         try:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(event) + "\n")
@@ -153,12 +155,12 @@ class FaultInjectionCallback(TrainerCallback):
     """Faults that cannot happen on a CPU, raised for real inside the trainer so they flow through real logs."""
 
     def on_step_begin(self, args, state, control, **kwargs):
-        limit = os.environ.get("LFA_INJECT_OOM_ABOVE_MBS")
+        limit = os.environ.get(contract.INJECT_OOM_ABOVE_MBS)
         if limit and args.per_device_train_batch_size > int(limit):
             import torch
 
             need = args.per_device_train_batch_size * 0.2467
-            raise torch.OutOfMemoryError(os.environ.get("LFA_INJECT_OOM_MESSAGE") or
+            raise torch.OutOfMemoryError(os.environ.get(contract.INJECT_OOM_MESSAGE) or
                 f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "
                 f"of which 1.02 GiB is free. Including non-PyTorch memory, this process has 30.71 GiB memory in "
                 f"use. Of the allocated memory 29.00 GiB is allocated by PyTorch, and 1.62 GiB is reserved by "
@@ -167,7 +169,7 @@ class FaultInjectionCallback(TrainerCallback):
                 f"Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        nan_step = os.environ.get("LFA_INJECT_NAN_AT_STEP")
+        nan_step = os.environ.get(contract.INJECT_NAN_AT_STEP)
         marker = os.path.join(args.output_dir, "lfa-nan-injected")
         if nan_step and state.global_step == int(nan_step) and model is not None and not os.path.exists(marker):
             import torch
@@ -177,7 +179,7 @@ class FaultInjectionCallback(TrainerCallback):
             with torch.no_grad():
                 for param in model.parameters():
                     param.fill_(float("nan"))
-        delay = os.environ.get("LFA_STEP_DELAY_S")
+        delay = os.environ.get(contract.STEP_DELAY_S)
         if delay:
             time.sleep(float(delay))
 
@@ -195,7 +197,7 @@ class GracefulStopCallback(TrainerCallback):
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, self._on_signal)
-        supervisor = os.environ.get("LFA_SUPERVISOR_PID")
+        supervisor = os.environ.get(contract.SUPERVISOR_PID)
         if supervisor:
             threading.Thread(target=self._watch_supervisor, args=(int(supervisor),), daemon=True).start()
 
@@ -242,6 +244,6 @@ class GracefulStopCallback(TrainerCallback):
 
 def build() -> list:
     callbacks = [FaultInjectionCallback(), GracefulStopCallback()]
-    if os.environ.get("LFA_EVENTS_FILE"):
-        callbacks.append(EventsCallback(os.environ["LFA_EVENTS_FILE"]))
+    if os.environ.get(contract.EVENTS_FILE):
+        callbacks.append(EventsCallback(os.environ[contract.EVENTS_FILE]))
     return callbacks

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from . import contract
+
 _AFTER_IMPORT = {}  # module name -> function(module) called right after the module has executed
 
 
@@ -40,7 +42,7 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 def chat_template_dirs() -> list[Path]:
     from lf_adapter import catalog_dir
 
-    extra = [Path(p) for p in os.environ.get("LFA_CHAT_TEMPLATE_DIRS", "").split(os.pathsep) if p]
+    extra = [Path(p) for p in os.environ.get(contract.CHAT_TEMPLATE_DIRS, "").split(os.pathsep) if p]
     return extra + [catalog_dir() / "chat"]
 
 
@@ -93,7 +95,7 @@ def _patch_sft_trainer(trainer_module) -> None:
     original_batches = trainer_class.get_batch_samples
 
     def _get_train_sampler(self, *args, **kwargs):
-        if os.environ.get("LFA_SORTED_STEPS") == "1" and not self.finetuning_args.disable_shuffling:
+        if os.environ.get(contract.SORTED_STEPS) == "1" and not self.finetuning_args.disable_shuffling:
             dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
             lengths = row_lengths(dataset)
             if lengths is not None:
@@ -113,7 +115,7 @@ def _patch_sft_trainer(trainer_module) -> None:
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        if os.environ.get("LFA_PADDING_FREE") == "1":  # the collator flattens rows; attention keeps them apart
+        if os.environ.get(contract.PADDING_FREE) == "1":  # the collator flattens rows; attention keeps them apart
             if padding_free.supported():
                 padding_free.use_on(self.model)
             else:
@@ -123,7 +125,7 @@ def _patch_sft_trainer(trainer_module) -> None:
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
     trainer_class.get_batch_samples = get_batch_samples
-    if os.environ.get("LFA_BENCH_SKIP_FINAL_SAVE") == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
+    if os.environ.get(contract.BENCH_SKIP_FINAL_SAVE) == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
         original_save = trainer_class.save_model
 
         def save_model(self, output_dir=None, _internal_call=False):
@@ -159,9 +161,9 @@ def _patch_collator(collator_module) -> None:
         if self.block_diag_attn:  # LLaMA-Factory's neat_packing: its own mask
             return batch
         # both run in the data workers, on the CPU: no GPU sync
-        if os.environ.get("LFA_PADDING_FREE") == "1" and padding_free.supported() and padding_free.flatten_batch(batch):
+        if os.environ.get(contract.PADDING_FREE) == "1" and padding_free.supported() and padding_free.flatten_batch(batch):
             return batch
-        if os.environ.get("LFA_DROP_PADDING_MASK") == "1":
+        if os.environ.get(contract.DROP_PADDING_MASK) == "1":
             drop_right_padding_mask(batch)
         return batch
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
 from ..strategy import Optimizer
+from ..plugin import contract
 
 
 def truthy(value) -> bool:
@@ -129,13 +130,13 @@ def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr:
             LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
         ]
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
-    env.append(LaunchEnv("LFA_DROP_PADDING_MASK", "1", "lfa plugin: right-padded batches train without a padding mask "
+    env.append(LaunchEnv(contract.DROP_PADDING_MASK, "1", "lfa plugin: right-padded batches train without a padding mask "
                                                         "(exact under causal attention; SDPA keeps its flash kernel)"))
     if plan.padding_free:
-        env.append(LaunchEnv("LFA_PADDING_FREE", "1", "lfa plugin: each micro-batch's rows flattened into one sequence, "
+        env.append(LaunchEnv(contract.PADDING_FREE, "1", "lfa plugin: each micro-batch's rows flattened into one sequence, "
                                                        "attention kept per row (no compute on padding, exact)"))
     if plan.sorted_steps:
-        env.append(LaunchEnv("LFA_SORTED_STEPS", "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
+        env.append(LaunchEnv(contract.SORTED_STEPS, "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
                                                        "step (same rows per step, less padding)"))
     if plan.alloc_conf:
         if distributed:

@@ -35,6 +35,7 @@ from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerpr
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 from ..recipe.keys import launch_env, plan_keys
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
+from ..plugin import contract
 
 POLL_S = 0.1
 
@@ -209,7 +210,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
                  reporter: Reporter, interrupted: dict, on_start, vocab_size: int | None = None,
                  stop_on_divergence: bool = False, start_process=start) -> dict:
     log_path = run_dir / f"attempt-{n}.log"
-    events_path = Path(env["LFA_EVENTS_FILE"])
+    events_path = Path(env[contract.EVENTS_FILE])
     trainer_log = output_dir / "trainer_log.jsonl"
     watcher = TrainerLogWatcher(trainer_log)
     watcher.follower.offset = trainer_log.stat().st_size if trainer_log.exists() else 0
@@ -499,7 +500,7 @@ def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSp
     """What remedies need to know of a run: the recipe's schedule and model, the hardware, the shape OOM recovery
     plans for (None: the plain ladder). LFA_EMULATE_MODEL names another shape to plan for: fault-injection tests
     emulate a 6.7B OOM while a tiny model trains on the CPU."""
-    emulated = os.environ.get("LFA_EMULATE_MODEL")
+    emulated = os.environ.get(contract.EMULATE_MODEL)
     lr = recipe.data.get("learning_rate")
     kwargs = recipe.data.get("lr_scheduler_kwargs")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
@@ -699,14 +700,14 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                                  master_addr=hardware.master_addr, report_to=effective.data.get("report_to"))
             env = resolve_env(entries)
             env.update(attempt.env)
-            env["LFA_EVENTS_FILE"] = str(run_dir / "events.jsonl")
-            env["LFA_SUPERVISOR_PID"] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
+            env[contract.EVENTS_FILE] = str(run_dir / "events.jsonl")
+            env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
             env.update(rendezvous_env)
             if attempt.plan.sharding == "fsdp2":
                 write_accelerate_config(recipe.folder, attempt.plan)
             command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
                                            attempt.plan, env)
-            env["LFA_ATTEMPT"] = str(n)
+            env[contract.ATTEMPT] = str(n)
             record = AttemptRecord(
                 n=n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=attempt.plan.label(),
                 overrides=overrides, env={e.name: env[e.name] for e in entries} | attempt.env,

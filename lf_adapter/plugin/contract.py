@@ -1,0 +1,22 @@
+"""The environment variables through which lfa's supervisor (and launch.sh) talk to its plugin inside LLaMA-Factory's
+processes: one name each, imported by both sides. boot/sitecustomize.py, which runs before any import, spells
+LFA_REQUIRE_PLUGIN itself."""
+
+# set by launch_env for the plan (launch.sh and lfa train)
+DROP_PADDING_MASK = "LFA_DROP_PADDING_MASK"  # "1": right-padded batches train without a padding mask
+PADDING_FREE = "LFA_PADDING_FREE"  # "1": each micro-batch's rows flattened, attention kept per row
+SORTED_STEPS = "LFA_SORTED_STEPS"  # "1": micro-batches sorted by length inside each optimizer step
+# set by lfa train per attempt
+EVENTS_FILE = "LFA_EVENTS_FILE"  # where the plugin appends its JSON events
+SUPERVISOR_PID = "LFA_SUPERVISOR_PID"  # the trainer saves and stops when this process is gone
+ATTEMPT = "LFA_ATTEMPT"  # the attempt number stamped on every event
+CHAT_TEMPLATE_DIRS = "LFA_CHAT_TEMPLATE_DIRS"  # extra folders of chat templates to register
+REQUIRE_PLUGIN = "LFA_REQUIRE_PLUGIN"  # fail loudly when the plugin cannot load
+# tests and benchmarks: faults a CPU cannot have, emulated cards and models
+EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)
+EMULATE_MODEL = "LFA_EMULATE_MODEL"  # plan OOM recovery for this model's shape instead of the trained one
+INJECT_OOM_ABOVE_MBS = "LFA_INJECT_OOM_ABOVE_MBS"
+INJECT_OOM_MESSAGE = "LFA_INJECT_OOM_MESSAGE"
+INJECT_NAN_AT_STEP = "LFA_INJECT_NAN_AT_STEP"
+STEP_DELAY_S = "LFA_STEP_DELAY_S"
+BENCH_SKIP_FINAL_SAVE = "LFA_BENCH_SKIP_FINAL_SAVE"
