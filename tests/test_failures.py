@@ -101,7 +101,7 @@ def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
     import yaml
 
     from lf_adapter.recipe.read import load_recipe
-    from lf_adapter.run.supervisor import _resolved_text
+    from lf_adapter.run.supervisor import resolved_text
 
     failure = classify((FIXTURES / "zero3_min_lr_scheduler_h200.log").read_text().splitlines(), 1)
     context = Context(load_profile("h200"), learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})
@@ -109,7 +109,7 @@ def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
     assert remedy.action == "min_lr_rate" and remedy.attempt.keys["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
     recipe_file = tmp_path / "train.yaml"
     recipe_file.write_text("learning_rate: 3.0e-6\nlr_scheduler_kwargs:\n  min_lr: 3.0e-7\nwarmup_ratio: 0.02\n")
-    resolved = yaml.safe_load(_resolved_text(load_recipe(recipe_file), remedy.attempt.keys, [remedy.why]))
+    resolved = yaml.safe_load(resolved_text(load_recipe(recipe_file), remedy.attempt.keys, [remedy.why]))
     assert resolved == {"learning_rate": 3e-6, "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "warmup_ratio": 0.02}
 
 

@@ -24,12 +24,12 @@ def test_goldens_are_written_for_their_manifest_version_whatever_is_installed(mo
 
 
 def test_a_dev_build_counts_as_its_release_line():
-    from lf_adapter.review.lf_checks import _version_matches
+    from lf_adapter.review.lf_checks import version_matches
 
-    assert _version_matches("0.9.5.dev0", ">=0.9.5") and not _version_matches("0.9.5.dev0", "<=0.9.4")
-    assert _version_matches("0.9.4.dev0", "<=0.9.4") and not _version_matches("0.9.4.dev0", ">=0.9.5")
-    assert _version_matches("5.0.0rc1", ">=5") and not _version_matches("5.0.0rc1", "<5")
-    assert _version_matches("4.56.1", "<5")
+    assert version_matches("0.9.5.dev0", ">=0.9.5") and not version_matches("0.9.5.dev0", "<=0.9.4")
+    assert version_matches("0.9.4.dev0", "<=0.9.4") and not version_matches("0.9.4.dev0", ">=0.9.5")
+    assert version_matches("5.0.0rc1", ">=5") and not version_matches("5.0.0rc1", "<5")
+    assert version_matches("4.56.1", "<5")
 
 
 def test_known_bad_stacks_are_named_with_their_fix():

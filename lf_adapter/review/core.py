@@ -12,8 +12,8 @@ from ..model_spec import ModelSpec
 from ..recipe.diff import semantic_diff, semantic_view
 from ..recipe.read import Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
 from .findings import SEVERITIES, Finding, RecipeReview, key_lines
-from .lf_checks import _llamafactory_findings
-from .rules import _launch_script, _lfa_findings
+from .lf_checks import llamafactory_findings
+from .rules import launch_script, lfa_findings
 from .summary import summarize
 
 
@@ -54,7 +54,7 @@ def recipe_workdir(recipe: Recipe, workdir: str | Path | None) -> Path:
     the recipe's folder for lfa recipes (lfa train and lfa's launch.sh run there), else the current directory."""
     if workdir is not None:
         return Path(workdir)
-    return recipe.folder if recipe.meta or _launch_script(recipe) is not None else Path.cwd()
+    return recipe.folder if recipe.meta or launch_script(recipe) is not None else Path.cwd()
 
 
 def review_recipe(path: str | Path, hardware: str | None = None, model: str | None = None,
@@ -81,7 +81,7 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
             pass
     spec = _model_spec(recipe, model, where)
     review = RecipeReview(path=str(recipe.path))
-    review.findings = _llamafactory_findings(recipe, lines) + _lfa_findings(recipe, hw, plan, lines, spec, where)
+    review.findings = llamafactory_findings(recipe, lines) + lfa_findings(recipe, hw, plan, lines, spec, where)
     if unreadable_ds:
         review.findings.append(Finding("info", "memory_without_deepspeed", "memory and speed below assume no "
                                        "DeepSpeed: its config could not be read", str(recipe.path),

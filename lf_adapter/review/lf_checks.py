@@ -21,7 +21,7 @@ from .findings import Finding, raw_scalars
 DEVICE_KEYS = ("bf16", "fp16", "deepspeed", "enable_liger_kernel", "flash_attn", "use_unsloth")
 
 
-def _version_matches(installed: str, spec: str) -> bool:
+def version_matches(installed: str, spec: str) -> bool:
     """A development or pre-release build counts as its release line: 0.9.5.dev0 is LLaMA-Factory 0.9.5 (whose
     keys it already has), not 'below 0.9.5'."""
     from packaging.specifiers import SpecifierSet
@@ -34,7 +34,7 @@ def _version_matches(installed: str, spec: str) -> bool:
     return release in SpecifierSet(spec)
 
 
-def _installed(package: str) -> str | None:
+def installed_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -132,7 +132,7 @@ def _accepts(annotation, value) -> bool:
     return True
 
 
-def _llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Finding]:
+def llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Finding]:
     """Keys, types and the checks LLaMA-Factory's get_train_args applies, without loading a model."""
     fields = llamafactory_fields()
     path = str(recipe.path)

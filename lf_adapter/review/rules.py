@@ -17,8 +17,8 @@ from ..strategy import CONSTRAINTS, violations
 from ..recipe.read import Recipe
 from ..tasks import TaskSpec, chat_template_files, task_files, load_task
 from .findings import Finding, raw_scalars
-from .lf_checks import _installed, _version_matches, llamafactory_templates, version_keys
-from .summary import _dataset_rows
+from .lf_checks import installed_version, version_matches, llamafactory_templates, version_keys
+from .summary import count_dataset_rows
 from ..run.guard import foreign_entries, forbidden_output_dir, read_marker
 
 PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
@@ -26,7 +26,7 @@ EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _launch_script(recipe: Recipe) -> str | None:
+def launch_script(recipe: Recipe) -> str | None:
     launch = recipe.folder / "launch.sh"
     return launch.read_text() if launch.is_file() else None
 
@@ -68,7 +68,7 @@ class RuleContext:
 
     @property
     def launch(self) -> str | None:
-        return _launch_script(self.recipe)
+        return launch_script(self.recipe)
 
     @property
     def task(self) -> TaskSpec | None:
@@ -265,11 +265,11 @@ def version_dependent_keys(c: RuleContext) -> None:
     for entry in version_keys():
         if entry["key"] not in c.d:
             continue
-        installed = _installed(entry["package"])
+        installed = installed_version(entry["package"])
         # the installed version decides: it rejects the key (error), accepts it (info: a note for other
         # installs), or is absent here (warning: the key works only on some versions)
         severity = "warning" if installed is None else \
-            "info" if _version_matches(installed, entry["accepted"]) else "error"
+            "info" if version_matches(installed, entry["accepted"]) else "error"
         c.add(severity, "version_dependent_key",
               f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
               + (f" (installed: {installed})" if installed else "") + f"; elsewhere: {entry['instead']}",
@@ -385,7 +385,7 @@ def max_samples_set(c: RuleContext) -> None:
 
 
 def steps_per_epoch(c: RuleContext) -> None:
-    rows, plan = _dataset_rows(c.recipe, c.workdir), c.plan
+    rows, plan = count_dataset_rows(c.recipe, c.workdir), c.plan
     if rows is None:
         return
     rows = min(rows, int(c.d["max_samples"])) if c.d.get("max_samples") else rows
@@ -400,7 +400,7 @@ def steps_per_epoch(c: RuleContext) -> None:
               "per_device_train_batch_size")
 
 
-def _lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
+def lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
                   spec: ModelSpec | None, workdir: Path | None = None) -> list[Finding]:
     context = RuleContext(recipe, hardware, plan, lines, spec, workdir or recipe.folder)
     for registered in RULES:

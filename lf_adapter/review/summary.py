@@ -73,7 +73,7 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
     tokens_per_s = predicted.tokens_per_s
     summary.predicted_tokens_per_s = round(tokens_per_s)
     summary.speed_basis = speed_basis(hardware, plan)
-    rows = _dataset_rows(recipe, workdir or recipe.folder)
+    rows = count_dataset_rows(recipe, workdir or recipe.folder)
     if rows:
         epochs = float(d.get("num_train_epochs", 3.0))
         total = rows * epochs * cutoff * fraction
@@ -105,7 +105,7 @@ def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -
     return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
 
 
-def _dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
+def count_dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
     if recipe.meta.get("dataset_rows"):
         return int(recipe.meta["dataset_rows"])
     try:

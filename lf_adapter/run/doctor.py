@@ -13,7 +13,7 @@ from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from .remedies import Attempt, Remedy, next_remedy
 from ..recipe.keys import plan_keys
 from ..review.core import recipe_workdir
-from .supervisor import _resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
+from .supervisor import resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
 
 
 @dataclass
@@ -79,7 +79,7 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
     # `lfa train` runs the same plan
     meta = {**recipe.meta, "plan": nxt.plan.label(), "sorted_steps": nxt.plan.sorted_steps,
             "alloc_conf": nxt.plan.alloc_conf, "hardware": hw.to_dict()}
-    text = _resolved_text(Recipe(recipe.path, recipe.data, meta, "\n".join(
+    text = resolved_text(Recipe(recipe.path, recipe.data, meta, "\n".join(
         line for line in recipe.text.splitlines() if not line.startswith("# lfa-meta: "))), changes, notes)
     text = text.replace("# lfa train resolved this recipe", "# lfa doctor wrote the next attempt of this recipe", 1)
     lines = text.splitlines()

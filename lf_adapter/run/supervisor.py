@@ -289,7 +289,7 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
     return result
 
 
-def _resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
+def resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
     lines = recipe.text.splitlines()
     remaining = dict(changes)
     replacing_block = False
@@ -761,7 +761,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                     resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
                     env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
                                  for k, v in record.env.items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
-                    resolved.write_text(_resolved_text(recipe, {**user_keys, **changes}, notes + env_notes))
+                    resolved.write_text(resolved_text(recipe, {**user_keys, **changes}, notes + env_notes))
                     ledger.resolved_recipe = str(resolved)
                     reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
                                    path=str(resolved))
