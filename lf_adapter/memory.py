@@ -132,7 +132,7 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     h, L = model.hidden_size, model.num_layers
     # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
     # (FSDP2's mixed precision also computes with 16-bit parameters)
-    sixteen_bit_model = plan.deepspeed is not None or plan.sharding == "fsdp2"
+    sixteen_bit_model = plan.deepspeed is not None or plan.sharding == Sharding.FSDP2
     per_layer = act[("deepspeed_" if sixteen_bit_model else "") + ("liger" if plan.liger else "eager")]
     per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
@@ -211,9 +211,9 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
     runtime = {"launcher (lfa, llamafactory-cli, torchrun)": c["launcher_gib_per_node"],
                "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
     loading = dict(runtime)
-    if plan.sharding == "fsdp2" and not plan.on_cpu:  # cpu_ram_efficient_loading: rank 0 reads, the others receive
+    if plan.sharding == Sharding.FSDP2 and not plan.on_cpu:  # cpu_ram_efficient_loading: rank 0 reads, the others receive
         loading["model load (rank 0)"] = c["load_bytes_per_param"] * model.num_params / GIB
-    elif plan.deepspeed != "zero3":
+    elif plan.deepspeed != Sharding.ZERO3:
         loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
     training = dict(runtime)
     if plan.offloads_to_nvme:

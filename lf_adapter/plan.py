@@ -126,7 +126,7 @@ class Plan:
             parts.append("liger")
         parts.append(self.attention)
         if self.sharding not in (Sharding.NONE, Sharding.DDP):
-            parts.append(self.sharding + ("" if self.offload == "none" else f"-offload-{self.offload}"))
+            parts.append(self.sharding + ("" if self.offload == Offload.NONE else f"-offload-{self.offload}"))
         if self.changes_optimizer:
             parts.append(self.optimizer)
         if self.packing:

@@ -12,7 +12,7 @@ from .memory import (DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, coefficients
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 from .throughput import predict_tokens_per_s
-from .strategy import Offload, Optimizer, normalized_sharding, violations
+from .strategy import Offload, Optimizer, Sharding, normalized_sharding, violations
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -115,7 +115,7 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
     packing = [True, False] if options.allow_packing else [False]
     # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
     padding_free = [True] if options.fixed.get("padding_free") else [False]
-    if options.fixed.get("sharding") == "fsdp2":  # only when pinned: FSDP2's speed is not measured yet
+    if options.fixed.get("sharding") == Sharding.FSDP2:  # only when pinned: FSDP2's speed is not measured yet
         ds = [("fsdp2", "none")]
     elif on_cpu or not options.allow_deepspeed:
         ds = [(None, "none")]
@@ -165,7 +165,7 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
     best = max(c.tokens_per_s for c in fitting)
 
     def key(c: Candidate):
-        simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != "none") + c.plan.offloads_to_nvme
+        simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != Offload.NONE) + c.plan.offloads_to_nvme
         tied = c.tokens_per_s >= best * (1.0 - NEAR_TIE)
         return (not tied, simplicity if tied else 0, -c.plan.micro_batch_size if tied else 0, -c.tokens_per_s,
                 c.memory.reserved_gib)
@@ -414,7 +414,7 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                       f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
                       "speed priced as ZeRO-3 (not measured)" + ("; NOTE on a CPU accelerate runs this as plain "
                                                                  "DDP: it shards on GPUs only" if p.on_cpu else "")
-                      if p.sharding == "fsdp2" else
+                      if p.sharding == Sharding.FSDP2 else
                       ("none: no GPU (DeepSpeed needs one)" if p.on_cpu else
                        "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
                        if p.world_size == 1 else "none: DDP, every GPU holds the model state")),

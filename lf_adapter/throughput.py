@@ -6,6 +6,7 @@ from .hardware import HardwareProfile
 from .memory import coefficients
 from .model_spec import ModelSpec
 from .plan import Plan
+from .strategy import Offload, Sharding
 
 
 def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
@@ -134,11 +135,11 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     gpu = hardware.gpu
     basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
              f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
-    if plan.offload != "none":
+    if plan.offload != Offload.NONE:
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
     if plan.offloads_to_nvme:
         basis += "; " + nvme_basis(hardware)
-    if plan.sharding == "fsdp2":
+    if plan.sharding == Sharding.FSDP2:
         basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
     if hardware.nodes > 1:
         basis += (f"; between nodes {hardware.internode_gbs:g} GB/s (the profile's internode_gbs)"
@@ -149,7 +150,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             (plan.offloads_to_nvme, nvme_basis(hardware)),
             (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
             (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
-            (plan.sharding == "fsdp2", "FSDP2 priced as ZeRO-3 (not measured)")) if applies]
+            (plan.sharding == Sharding.FSDP2, "FSDP2 priced as ZeRO-3 (not measured)")) if applies]
         return "; ".join(["throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
                           "width within 2.2% (one run fitted, three checked), the 350M width +0.9%", *caveats])
     return basis + "; not measured on this GPU"

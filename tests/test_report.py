@@ -10,7 +10,7 @@ import pytest
 from conftest import run_lfa
 
 from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
-from lf_adapter.run.report import FIGURES, collect, draw_figures, summary_lines, write_report
+from lf_adapter.run.report import FIGURES, collect, summary_lines, write_report
 
 
 def _png_is_a_picture(path: Path) -> None:

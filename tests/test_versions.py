@@ -1,10 +1,8 @@
 """lfa on the LLaMA-Factory the user already has: goldens independent of the install, review severities from the
 installed versions, known-bad stacks named by detect, a fork's own sk2decompile template left alone."""
 import json
-import shutil
 from pathlib import Path
 
-import pytest
 import yaml
 
 from conftest import REPO

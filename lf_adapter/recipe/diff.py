@@ -8,6 +8,7 @@ from pathlib import Path
 from .. import UserError
 from .keys import precision_from_keys
 from .read import Recipe, deepspeed_setup
+from ..strategy import Offload
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",
@@ -47,7 +48,7 @@ def semantic_view(recipe: Recipe) -> dict:
     if data.get("deepspeed"):
         try:  # the base ref's JSON may be missing: the diff still shows the rest
             stage, offload = deepspeed_setup(recipe)
-            data["deepspeed_config"] = stage + ("" if offload == "none" else f", offload {offload}")
+            data["deepspeed_config"] = stage + ("" if offload == Offload.NONE else f", offload {offload}")
         except UserError:
             data["deepspeed_config"] = "unreadable"
     if recipe.meta:

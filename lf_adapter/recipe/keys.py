@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
-from ..strategy import Optimizer
+from ..strategy import Offload, Optimizer, Sharding
 from ..plugin import contract
 
 
@@ -22,7 +22,7 @@ def deepspeed_file_name(plan: Plan) -> str | None:
     if not plan.deepspeed:
         return None
     offload = plan.offload.replace("-", "_")
-    return f"ds_{plan.deepspeed}" + ("" if plan.offload == "none" else f"_offload_{offload}") + ".json"
+    return f"ds_{plan.deepspeed}" + ("" if plan.offload == Offload.NONE else f"_offload_{offload}") + ".json"
 
 
 # the LLaMA-Factory keys each optimizer sets (the paper's AdamW sets none); read back by optimizer_from_keys
@@ -74,7 +74,7 @@ def plan_from_keys(data: dict, meta: dict, hardware: HardwareProfile, deepspeed:
         gradient_checkpointing=not truthy(data.get("disable_gradient_checkpointing", False)),
         liger=truthy(data.get("enable_liger_kernel", False)),
         attention=ATTENTION_FROM_LF.get(flash_attn, flash_attn),
-        sharding=stage or ("fsdp2" if meta.get("sharding") == "fsdp2" else "none"), offload=offload,
+        sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE), offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
         padding_free=bool(meta.get("padding_free", False)),
         sorted_steps=bool(meta.get("sorted_steps", False)), alloc_conf=meta.get("alloc_conf"),
@@ -113,7 +113,7 @@ def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr:
     if offline:
         env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
     distributed = plan.distributed  # DeepSpeed, several processes or FSDP2 (whose branch comes first)
-    if plan.sharding == "fsdp2":  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
+    if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
         env += [LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
                 LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
                 LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port")]

@@ -16,6 +16,7 @@ from ..model_spec import ModelSpec
 from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, launch_env, plan_keys
 from ..plan import Plan
 from ..tasks import TaskSpec, chat_template_files
+from ..strategy import Sharding
 
 
 def yaml_float(value) -> str:
@@ -111,7 +112,7 @@ def render_deepspeed(plan: Plan, nvme: NvmeSetup | None = None) -> tuple[str, st
 
 def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
     """(file name, text) of the accelerate config an FSDP2 plan launches with; None for other strategies."""
-    if plan.sharding != "fsdp2":
+    if plan.sharding != Sharding.FSDP2:
         return None
     text = _environment().get_template("launch/accelerate_fsdp2.yaml.j2").render(
         lfa_version=__version__, on_cpu=plan.on_cpu,
@@ -137,7 +138,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
             "launcher": plan.launcher, "llamafactory_version": inputs.llamafactory_version, **inputs.meta}
     if plan.padding_free:  # lfa's plugin, not a LLaMA-Factory key: the header says so
         meta["padding_free"] = True
-    if plan.sharding == "fsdp2":  # lives outside train.yaml (accelerate's config): the header says how it starts
+    if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(

@@ -13,7 +13,7 @@ from ..hardware import HardwareProfile
 from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
-from ..strategy import CONSTRAINTS, violations
+from ..strategy import CONSTRAINTS, Offload, violations
 from ..recipe.read import Recipe
 from ..tasks import TaskSpec, chat_template_files, task_files, load_task
 from .findings import Finding, raw_scalars
@@ -166,7 +166,7 @@ def deepspeed_config(c: RuleContext) -> None:
         c.add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
               "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
               "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
-    if c.plan.offload != "none" and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
+    if c.plan.offload != Offload.NONE and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
         c.add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
               "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
               "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
@@ -369,7 +369,7 @@ def host_ram(c: RuleContext) -> None:
               f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: " +
               ", ".join(f"{k} {v:.1f}" for k, v in host.items.items()) +
               f") against {host.ram_gib:.0f} GiB on {c.hardware.name} ({host.limit_gib:.1f} usable): the kernel's "
-              "OOM killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if c.plan.offload != "none" else None)
+              "OOM killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if c.plan.offload != Offload.NONE else None)
 
 
 @rule("max_samples")

@@ -12,6 +12,7 @@ from ..plan import Plan
 from ..planner import predict
 from ..throughput import speed_basis
 from ..recipe.read import Recipe
+from ..strategy import Offload
 
 
 @dataclass
@@ -55,7 +56,7 @@ def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: Model
     summary = ReviewSummary(
         hardware=hardware.name, plan=plan.label(), precision=plan.precision, micro_batch=plan.micro_batch_size,
         grad_accum=plan.grad_accum, gpus=plan.world_size, effective_batch=plan.effective_batch_size,
-        deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == "none" else f" offload {plan.offload}")
+        deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == Offload.NONE else f" offload {plan.offload}")
         if plan.deepspeed else "none", gradient_checkpointing=plan.gradient_checkpointing,
         tokens_per_step=round(plan.effective_batch_size * cutoff * fraction), tokens_basis=tokens_basis)
     if spec is None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..plan import Plan
+from ..strategy import Sharding
 from ..plugin import boot_dir
 from ..recipe.keys import ACCELERATE_FSDP2_FILE, LaunchEnv
 
@@ -47,7 +48,7 @@ def llamafactory_command(recipe: Path, overrides: list[str], plan: Plan | None =
                          env: dict[str, str] | None = None) -> list[str]:
     """`llamafactory-cli train` (which relaunches itself through torchrun when FORCE_TORCHRUN says so), or for
     FSDP2 `accelerate launch` of LLaMA-Factory's launcher.py with the recipe folder's accelerate config."""
-    if plan is not None and plan.sharding == "fsdp2":
+    if plan is not None and plan.sharding == Sharding.FSDP2:
         import importlib.util
 
         env = env or {}

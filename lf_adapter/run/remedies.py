@@ -12,7 +12,7 @@ from ..memory import estimate, fit_activation_scale
 from ..model_spec import ModelSpec
 from .monitor import Failure, failure_class, failure_classes
 from ..plan import Plan
-from ..strategy import violated
+from ..strategy import Offload, Sharding, violated
 from ..planner import EXPANDABLE_SEGMENTS as EXPANDABLE
 from ..planner import NoPlanFits, PlanOptions, plan
 
@@ -101,7 +101,7 @@ def _deepspeed(stage, offload):
         moved = p.replace(sharding=stage or "none", offload=offload)
         liger = p.liger and not violated(moved, "liger_with_zero3")
         return moved.replace(liger=liger), (
-            f"DeepSpeed {stage}" + ("" if offload == "none" else f" with {offload} offload to CPU") +
+            f"DeepSpeed {stage}" + ("" if offload == Offload.NONE else f" with {offload} offload to CPU") +
             ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)" +
             ("; liger off: its fused cross-entropy reads the sharded lm_head weight" if p.liger and not liger else ""))
     return action
@@ -261,7 +261,7 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
 def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remedy | None:
     """A remedy that moves to ZeRO-3 writes an absolute min_lr as min_lr_rate (the same schedule): transformers
     reads optimizer.defaults for min_lr, which DeepSpeed's ZeRO-3 optimizer lacks."""
-    if remedy is None or remedy.attempt is None or remedy.attempt.plan.deepspeed != "zero3":
+    if remedy is None or remedy.attempt is None or remedy.attempt.plan.deepspeed != Sharding.ZERO3:
         return remedy
     converted = _env_action(remedy.attempt, "min_lr_rate", context)
     if converted is None:

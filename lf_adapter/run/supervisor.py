@@ -27,6 +27,7 @@ from .progress import Reporter
 from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_class,
                       failure_classes, fold_event, host_oom_evidence, unexplained_kill)
 from ..plan import Plan
+from ..strategy import Sharding
 from ..planner import predict
 from ..throughput import speed_basis
 from ..data import dataset_problems
@@ -703,7 +704,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             env[contract.EVENTS_FILE] = str(run_dir / "events.jsonl")
             env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
             env.update(rendezvous_env)
-            if attempt.plan.sharding == "fsdp2":
+            if attempt.plan.sharding == Sharding.FSDP2:
                 write_accelerate_config(recipe.folder, attempt.plan)
             command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
                                            attempt.plan, env)
