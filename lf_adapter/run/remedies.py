@@ -125,7 +125,8 @@ def _drop_deepspeed(a, f, c):
     return a.plan.replace(sharding="none", offload="none"), "one GPU: plain training needs no DeepSpeed launcher"
 
 
-ACTIONS = {
+# actions that change the plan: (attempt, failure, context) -> (plan, why) or None
+PLAN_ACTIONS = {
     "fragmentation": _gpu_only(_fragmentation),  # PYTORCH_CUDA_ALLOC_CONF does nothing on a CPU
     "halve_micro_batch": _halve_micro_batch,
     "gradient_checkpointing": _switch("gradient_checkpointing", True,
@@ -144,54 +145,88 @@ ACTIONS = {
 }
 
 
-def _env_action(a: Attempt, action: str, c: Context) -> tuple[Attempt, str] | None:
-    if action == "force_torchrun":
-        if a.env.get("FORCE_TORCHRUN") == "1":
+# Actions that change the attempt's keys or environment, not its plan: (attempt, failure, context) -> (attempt, why)
+def _set_env(name: str, value_of, why_of, applies=lambda a, c: True):
+    def action(a: Attempt, f, c: Context):
+        value = value_of(c)
+        if not value or not applies(a, c) or a.env.get(name) == value:
             return None
-        return dataclasses.replace(a, env={**a.env, "FORCE_TORCHRUN": "1"}), "FORCE_TORCHRUN=1: launch through torchrun"
-    if action == "hub_mirror":
-        if not c.hub_mirror or a.env.get("HF_ENDPOINT") == c.hub_mirror:
-            return None
-        return dataclasses.replace(a, env={**a.env, "HF_ENDPOINT": c.hub_mirror}), f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"
-    if action == "hub_offline":
-        if not c.model_cached or a.env.get("HF_HUB_OFFLINE") == "1":
-            return None
-        return dataclasses.replace(a, env={**a.env, "HF_HUB_OFFLINE": "1"}), "hub unreachable but files cached: HF_HUB_OFFLINE=1"
-    if action == "lfa_deepspeed_config":
-        if a.own_deepspeed_config or a.plan.deepspeed is None:
-            return None
-        return dataclasses.replace(a, own_deepspeed_config=True), (
-            "the DeepSpeed config offloads without naming an optimizer: use lfa's config for the same plan "
-            "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)")
-    if action == "min_lr_rate":
-        kwargs = dict(a.keys.get("lr_scheduler_kwargs") or c.scheduler_kwargs or {})
-        lr = a.keys.get("learning_rate", c.learning_rate)
-        if "min_lr" not in kwargs or not lr:
-            return None
-        min_lr = float(kwargs.pop("min_lr"))
-        kwargs["min_lr_rate"] = round(min_lr / lr, 10)
-        return dataclasses.replace(a, keys={**a.keys, "lr_scheduler_kwargs": kwargs}), (
-            f"min_lr {min_lr:.1e} as min_lr_rate {kwargs['min_lr_rate']} (the same schedule): an absolute min_lr makes "
-            "transformers read optimizer.defaults, which DeepSpeed ZeRO-3's optimizer lacks")
-    if action == "resume_as_is":
-        return a, "transient collective timeout: resume from the last checkpoint unchanged"
-    if action == "fewer_checkpoints":
-        if a.keys.get("save_total_limit") == 1:
-            return None
-        return dataclasses.replace(a, keys={**a.keys, "save_total_limit": 1}), "disk full: keep only the newest checkpoint"
-    if action == "fewer_workers":
-        workers = a.keys.get("dataloader_num_workers", c.dataloader_workers)
-        if workers is not None and int(workers) == 0:
-            return None  # nothing to take away: never an identical retry
-        return dataclasses.replace(a, keys={**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}), (
-            "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
-    if action == "lower_lr":
-        if not c.allow_hparam_change or c.learning_rate is None:
-            return None
-        lr = a.keys.get("learning_rate", c.learning_rate) / 2
-        return dataclasses.replace(a, keys={**a.keys, "learning_rate": lr}), (
-            f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)")
-    return None
+        return dataclasses.replace(a, env={**a.env, name: value}), why_of(c)
+    return action
+
+
+def _lfa_deepspeed_config(a: Attempt, f, c: Context):
+    if a.own_deepspeed_config or a.plan.deepspeed is None:
+        return None
+    return dataclasses.replace(a, own_deepspeed_config=True), (
+        "the DeepSpeed config offloads without naming an optimizer: use lfa's config for the same plan "
+        "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)")
+
+
+def _min_lr_rate(a: Attempt, f, c: Context):
+    kwargs = dict(a.keys.get("lr_scheduler_kwargs") or c.scheduler_kwargs or {})
+    lr = a.keys.get("learning_rate", c.learning_rate)
+    if "min_lr" not in kwargs or not lr:
+        return None
+    min_lr = float(kwargs.pop("min_lr"))
+    kwargs["min_lr_rate"] = round(min_lr / lr, 10)
+    return dataclasses.replace(a, keys={**a.keys, "lr_scheduler_kwargs": kwargs}), (
+        f"min_lr {min_lr:.1e} as min_lr_rate {kwargs['min_lr_rate']} (the same schedule): an absolute min_lr makes "
+        "transformers read optimizer.defaults, which DeepSpeed ZeRO-3's optimizer lacks")
+
+
+def _resume_as_is(a: Attempt, f, c: Context):
+    cause = {"nccl_timeout": "a transient collective timeout",
+             "killed": "a kill from outside (no sign of a host OOM)"}.get(getattr(f, "kind", ""), "a transient failure")
+    return a, f"{cause}: resume from the last checkpoint unchanged"
+
+
+def _fewer_checkpoints(a: Attempt, f, c: Context):
+    if a.keys.get("save_total_limit") == 1:
+        return None
+    return dataclasses.replace(a, keys={**a.keys, "save_total_limit": 1}), "disk full: keep only the newest checkpoint"
+
+
+def _fewer_workers(a: Attempt, f, c: Context):
+    workers = a.keys.get("dataloader_num_workers", c.dataloader_workers)
+    if workers is not None and int(workers) == 0:
+        return None  # nothing to take away: never an identical retry
+    return dataclasses.replace(a, keys={**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}), (
+        "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
+
+
+def _lower_lr(a: Attempt, f, c: Context):
+    if not c.allow_hparam_change or c.learning_rate is None:
+        return None
+    lr = a.keys.get("learning_rate", c.learning_rate) / 2
+    return dataclasses.replace(a, keys={**a.keys, "learning_rate": lr}), (
+        f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)")
+
+
+def _changes_plan(plan_action):
+    """A plan action ((a, f, c) -> (plan, why)) as an attempt action."""
+    def action(a: Attempt, f, c: Context):
+        result = plan_action(a, f, c)
+        return None if result is None else (dataclasses.replace(a, plan=result[0]), result[1])
+    return action
+
+
+# every remedy a ladder in failures/classes.yaml can name: (attempt, failure, context) -> (attempt, why) or None
+ACTIONS = {
+    **{name: _changes_plan(fn) for name, fn in PLAN_ACTIONS.items()},
+    "force_torchrun": _set_env("FORCE_TORCHRUN", lambda c: "1", lambda c: "FORCE_TORCHRUN=1: launch through torchrun"),
+    "hub_mirror": _set_env("HF_ENDPOINT", lambda c: c.hub_mirror,
+                           lambda c: f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"),
+    "hub_offline": _set_env("HF_HUB_OFFLINE", lambda c: "1",
+                            lambda c: "hub unreachable but files cached: HF_HUB_OFFLINE=1",
+                            applies=lambda a, c: c.model_cached),
+    "lfa_deepspeed_config": _lfa_deepspeed_config,
+    "min_lr_rate": _min_lr_rate,
+    "resume_as_is": _resume_as_is,
+    "fewer_checkpoints": _fewer_checkpoints,
+    "fewer_workers": _fewer_workers,
+    "lower_lr": _lower_lr,
+}
 
 
 def oom_budget_gib(failure: Failure, hardware: HardwareProfile) -> float:
@@ -263,7 +298,7 @@ def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remed
     reads optimizer.defaults for min_lr, which DeepSpeed's ZeRO-3 optimizer lacks."""
     if remedy is None or remedy.attempt is None or remedy.attempt.plan.deepspeed != Sharding.ZERO3:
         return remedy
-    converted = _env_action(remedy.attempt, "min_lr_rate", context)
+    converted = _min_lr_rate(remedy.attempt, None, context)
     if converted is None:
         return remedy
     return Remedy(remedy.action, converted[0], f"{remedy.why}; {converted[1]}")
@@ -273,14 +308,9 @@ def next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: set
     return _keep_schedule_under_zero3(_next_remedy(attempt, failure, context, tried), context)
 
 
-# actions _env_action knows (they change keys or the environment, not the plan)
-ENV_ACTIONS = frozenset({"force_torchrun", "hub_mirror", "hub_offline", "lfa_deepspeed_config", "min_lr_rate",
-                         "resume_as_is", "fewer_checkpoints", "fewer_workers", "lower_lr"})
-
-
 def ladder_problems() -> list[str]:
     """Ladder steps in failures/classes.yaml that name no action (a typo would otherwise be skipped silently)."""
-    known = sorted(set(ACTIONS) | ENV_ACTIONS)
+    known = sorted(ACTIONS)
     problems = []
     for failure_kind in failure_classes():
         for step in failure_kind.ladder:
@@ -304,17 +334,10 @@ def _next_remedy(attempt: Attempt, failure: Failure, context: Context, tried: se
         action, repeatable = step.rstrip("*"), step.endswith("*")
         if f"{failure.kind}:{index}" in tried:
             continue
-        if action in ACTIONS:
-            result = ACTIONS[action](attempt, failure, context)
-            if result is not None:
-                tried.update(() if repeatable else [f"{failure.kind}:{index}"])
-                plan, why = result
-                return Remedy(action, dataclasses.replace(attempt, plan=plan), why)
-        else:
-            result = _env_action(attempt, action, context)
-            if result is not None:
-                tried.update(() if repeatable else [f"{failure.kind}:{index}"])
-                return Remedy(action, result[0], result[1])
+        result = ACTIONS[action](attempt, failure, context) if action in ACTIONS else None
+        if result is not None:
+            tried.update(() if repeatable else [f"{failure.kind}:{index}"])
+            return Remedy(action, result[0], result[1])
     return None
 
 
