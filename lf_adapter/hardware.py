@@ -41,6 +41,11 @@ class GPUSpec:
         return int(major), int(minor)
 
     @property
+    def runs_triton(self) -> bool:
+        """Triton (liger-kernel's kernels) supports sm80+ GPUs (its README); lfa plans no liger below."""
+        return self.cc >= (8, 0)
+
+    @property
     def bf16(self) -> bool:
         # transformers' own check passes on Volta/Turing through emulation; lfa decides from the capability.
         return self.cc >= (8, 0)

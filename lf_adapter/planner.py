@@ -110,7 +110,7 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
         raise UserError(f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "
                         "cannot be kept exactly; pass --gpus to use fewer GPUs")
     on_cpu = not hardware.has_gpu
-    liger = [False] if on_cpu or not options.liger_available else [True, False]
+    liger = [False] if on_cpu or not options.liger_available or not hardware.gpu.runs_triton else [True, False]
     attention = ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     packing = [True, False] if options.allow_packing else [False]
     # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
@@ -400,7 +400,8 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
                                    "off: the activations fit, which saves the ~33% recompute"),
         "liger": ("on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
                   "save activation memory" if p.liger else
-                  ("off: needs a CUDA GPU with Triton" if not hardware.has_gpu or not options.liger_available
+                  ("off: needs a CUDA GPU with Triton (sm80+)" if not hardware.has_gpu or not options.liger_available
+                   or not hardware.gpu.runs_triton
                    else "off: not needed for the fastest fitting plan")),
         "attention": {"sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
                       "fa2": "fa2: flash-attn is installed", "eager": "eager: fits and is as fast here",

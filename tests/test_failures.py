@@ -45,19 +45,26 @@ def test_sigkill_without_text_is_host_oom_and_clean_exit_is_no_failure():
     assert classify(["done"], 0) is None
 
 
-def test_oom_ladder_keeps_the_effective_batch():
-    hw = load_profile("v100-32g")
+def _ladder(hw, steps):
     attempt, tried = Attempt(Plan("fp16", 8, 8, gradient_checkpointing=False)), set()
     oom = classify((FIXTURES / "cuda_oom_h200_lf095.log").read_text().splitlines(), 1)
     actions = []
-    for _ in range(6):
+    for _ in range(steps):
         remedy = next_remedy(attempt, oom, Context(hw), tried)
         actions.append(remedy.action)
         attempt = remedy.attempt
         assert attempt.plan.effective_batch_size == 64
+    return actions, attempt
+
+
+def test_oom_ladder_keeps_the_effective_batch():
+    actions, attempt = _ladder(load_profile("a100-80g"), 6)
     assert actions == ["fragmentation", "halve_micro_batch", "gradient_checkpointing", "liger", "halve_micro_batch",
                        "halve_micro_batch"]
     assert attempt.plan.micro_batch_size == 1 and attempt.plan.grad_accum == 64
+    # below sm80 (a V100) Triton does not run: the ladder never turns liger on
+    actions, attempt = _ladder(load_profile("v100-32g"), 5)
+    assert "liger" not in actions and not attempt.plan.liger
 
 
 def test_learning_rate_only_moves_with_permission():

@@ -202,9 +202,7 @@ def generate(request: GenerateRequest) -> Generated:
     else:
         raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
     versions = installed_versions()
-    # liger's Triton kernels: Triton supports sm80+ GPUs (its README), so none below
-    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None) \
-        and (not hardware.has_gpu or hardware.gpu.cc >= (8, 0))
+    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
     if request.launcher == "ray" and hardware.world_size == 1:

@@ -81,6 +81,13 @@ def _gpu_only(action):
     return wrapped
 
 
+def _triton_gpu_only(action):
+    """An action that turns liger on: only where Triton runs (sm80+, GPUSpec.runs_triton)."""
+    def wrapped(a, f, c):
+        return None if not c.hardware.has_gpu or not c.hardware.gpu.runs_triton else action(a, f, c)
+    return wrapped
+
+
 def _not_zero3(action):
     """An action that turns liger on: not under ZeRO-3 (strategy.CONSTRAINTS: liger_with_zero3)."""
     def wrapped(a, f, c):
@@ -131,7 +138,7 @@ PLAN_ACTIONS = {
     "halve_micro_batch": _halve_micro_batch,
     "gradient_checkpointing": _switch("gradient_checkpointing", True,
                                       "gradient checkpointing on: keep only layer inputs, recompute the rest"),
-    "liger": _gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes "
+    "liger": _triton_gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes "
                                                          "fp32 logits"))),
     "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
     "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
