@@ -138,8 +138,8 @@ PLAN_ACTIONS = {
     "halve_micro_batch": _halve_micro_batch,
     "gradient_checkpointing": _switch("gradient_checkpointing", True,
                                       "gradient checkpointing on: keep only layer inputs, recompute the rest"),
-    "liger": _triton_gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes "
-                                                         "fp32 logits"))),
+    "liger": _triton_gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never "
+                                                                "materializes fp32 logits"))),
     "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
     "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
     "eager_attention": _switch("attention", "eager", "eager attention: rules out a fused-kernel numerics problem"),
