@@ -361,6 +361,13 @@ def swap_folder_for(disk: LocalDisk, cwd: Path | None = None) -> str:
     return disk.mountpoint
 
 
+def nearest_existing(path: Path) -> Path:
+    """The path itself, or the nearest folder above it that exists (where a folder yet to be made will live)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def measure_disk(folder: str, size_mib: int = 1024, block_mib: int = 1) -> tuple[float, float]:
     """Sequential (write, read) GB/s with O_DIRECT (no page cache) through a file in a temporary folder lfa
     creates under `folder` and removes. UserError when the file system refuses O_DIRECT (tmpfs, some overlays)."""

@@ -177,10 +177,17 @@ def predict(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: in
     """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
     draws beside the measurements)."""
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
-    fraction = 1.0 if plan.packing else mean_seq_fraction
-    return Candidate(plan, estimate(model, plan, seq_len, vram),
-                     predict_tokens_per_s(model, plan, hardware, seq_len, fraction), host_memory(model, plan, hardware),
-                     disk_gib(model, plan), hardware.disk.free_gib if hardware.disk else None)
+    return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram)
+
+
+def _price(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float,
+           vram_gib: float | None, headroom: float = DEFAULT_HEADROOM, activation_scale: float = 1.0,
+           ram_gib: float | None = None) -> Candidate:
+    """A plan priced for GPU memory, speed, host RAM and disk."""
+    return Candidate(plan, estimate(model, plan, seq_len, vram_gib, headroom, activation_scale),
+                     predict_tokens_per_s(model, plan, hardware, seq_len, mean_seq_fraction),
+                     host_memory(model, plan, hardware, ram_gib), disk_gib(model, plan),
+                     hardware.disk.free_gib if hardware.disk else None)
 
 
 def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
@@ -195,10 +202,8 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
         if p in seen:
             continue
         seen.add(p)
-        mem = estimate(model, p, seq_len, vram, options.headroom, options.activation_scale)
-        candidates.append(Candidate(p, mem, predict_tokens_per_s(model, p, hardware, seq_len, options.mean_seq_fraction),
-                                    host_memory(model, p, hardware, options.ram_gib), disk_gib(model, p),
-                                    hardware.disk.free_gib if hardware.disk else None))
+        candidates.append(_price(model, p, hardware, seq_len, options.mean_seq_fraction, vram, options.headroom,
+                                 options.activation_scale, options.ram_gib))
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
         raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})" +
@@ -276,9 +281,12 @@ def wall_time_s(c: Candidate, rows: int, epochs: float, seq_len: int, mean_seq_f
     return steps * c.step_s(seq_len, mean_seq_fraction)
 
 
-def _duration(seconds: float) -> str:
-    hours = seconds / 3600
-    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
+def duration_text(seconds: float) -> str:
+    """A predicted duration for people: seconds, minutes, hours, or days past 48 hours."""
+    if seconds >= 48 * 3600:
+        return f"{seconds / 86400:.1f} days"
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else \
+        f"{seconds:.0f} s"
 
 
 def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_fraction: float,
@@ -296,7 +304,7 @@ def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_
         tag = "exact" if o.kind == "exact" else "OPT-IN, changes what is trained"
         lines.append(f"  [{tag}] {c.plan.label()}: {c.memory.reserved_gib:.1f} / {c.host.total_gib:.1f} / "
                      f"{c.disk_gib:.0f} GiB, {c.tokens_per_s:,.0f} tok/s, {c.step_s(seq_len, mean_seq_fraction):,.0f} s "
-                     f"per step, {_duration(wall)}" + (f" -- {o.why_not}" if o.why_not else ""))
+                     f"per step, {duration_text(wall)}" + (f" -- {o.why_not}" if o.why_not else ""))
     exact = [o.candidate for o in options if o.kind == "exact"]
     light = [o.candidate for o in options if o.kind != "exact" and o.fits]
     if exact and light and max(c.tokens_per_s for c in light) > 2 * max(c.tokens_per_s for c in exact):

@@ -10,9 +10,8 @@ import yaml
 
 from .. import UserError
 from ..data import DatasetProfile, profile_dataset
-from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile
+from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
 from ..model_spec import ModelSpec, load_model_spec
-from ..memory import host_memory
 from ..plan import LF_FLASH_ATTN
 from ..strategy import Offload, Optimizer, Sharding
 from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
@@ -148,9 +147,7 @@ def with_swap_folder(hardware: HardwareProfile, folder: str) -> HardwareProfile:
     nearest existing folder above it) is on this machine, else the profile's disk figures are kept."""
     import shutil
 
-    existing = Path(folder).expanduser()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(Path(folder).expanduser())
     disk = hardware.disk or DiskSpec(path=folder, free_gib=0.0, source="--nvme-path")
     try:
         free = round(shutil.disk_usage(existing).free / 2**30, 1)
@@ -230,7 +227,7 @@ def generate(request: GenerateRequest) -> Generated:
             "mean_seq_fraction": round(mean_fraction, 4), "allow_packing": request.allow_packing,
             "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
             "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
-            "predicted_host_gib": round(host_memory(spec, result.chosen.plan, hardware).total_gib, 1)}
+            "predicted_host_gib": round(result.chosen.host.total_gib, 1)}
     if result.chosen.disk_gib:
         meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
     if profile:

@@ -122,11 +122,9 @@ def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | 
     return SHARDING_OF_STAGE.get(stage), str(kind)
 
 
-def nvme_paths(recipe: Recipe, workdir: Path | None = None) -> list[str]:
-    """The swap folders a recipe's DeepSpeed JSON names for NVMe offload (empty without NVMe offload)."""
-    if not recipe.data.get("deepspeed"):
-        return []
-    zero = _deepspeed_json(recipe, workdir).get("zero_optimization") or {}
+def nvme_swap_folders(deepspeed_config: dict) -> list[str]:
+    """The swap folders a DeepSpeed config names for NVMe offload (empty without NVMe offload)."""
+    zero = deepspeed_config.get("zero_optimization") or {}
     return sorted({str(section["nvme_path"]) for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
                    if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")})
 

@@ -5,6 +5,7 @@ import json
 
 from ..recipe.diff import format_diff
 from .findings import RecipeReview
+from ..planner import duration_text
 
 
 def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
@@ -35,7 +36,7 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         if s.predicted_tokens_per_s is not None:
             line += f", ~{s.predicted_tokens_per_s:,} tok/s"
         if s.predicted_wall_time_s is not None:
-            line += f", ~{_duration(s.predicted_wall_time_s)} for {s.dataset_rows:,} rows"
+            line += f", ~{duration_text(s.predicted_wall_time_s)} for {s.dataset_rows:,} rows"
         out.append(line)
         if s.speed_basis is not None:
             out.append(f"  (speed: {s.speed_basis})")
@@ -47,10 +48,6 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
     out.append(f"lfa review: {len(reviews)} recipe(s), {errors} error(s), "
                f"{sum(1 for r in reviews for f in r.findings if f.severity == 'warning')} warning(s)")
     return "\n".join(out) + "\n"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _cell(text: str) -> str:
@@ -79,7 +76,7 @@ def _markdown(reviews: list[RecipeReview]) -> str:
                 + (f"{s.reserved_gib:.1f} / {s.budget_gib:.1f} GiB" if s.reserved_gib is not None else "-") + " | "
                 + (f"{s.host_gib:.0f} / {s.host_ram_gib or 0:.0f} GiB" if s.host_gib is not None else "-") + " | "
                 + (f"~{s.predicted_tokens_per_s:,} tok/s" if s.predicted_tokens_per_s is not None else "-") + " | "
-                + (f"~{_duration(s.predicted_wall_time_s)} ({s.dataset_rows:,} rows)" if s.predicted_wall_time_s is not None else "-")
+                + (f"~{duration_text(s.predicted_wall_time_s)} ({s.dataset_rows:,} rows)" if s.predicted_wall_time_s is not None else "-")
                 + " |"]
         if s.speed_basis is not None:
             out += ["", f"Speed and wall time rest on: {s.speed_basis}."]

@@ -14,7 +14,7 @@ from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..strategy import CONSTRAINTS, Offload, violations
-from ..recipe.read import Recipe
+from ..recipe.read import Recipe, nvme_swap_folders
 from ..tasks import TaskSpec, chat_template_files, task_files, load_task
 from .findings import Finding, raw_scalars
 from .lf_checks import installed_version, version_matches, llamafactory_templates, version_keys
@@ -171,28 +171,25 @@ def deepspeed_config(c: RuleContext) -> None:
               "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
               "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
               "section (lfa's templates do)", "deepspeed")
-    _nvme_paths(c, zero)
+    _nvme_paths(c, ds)
 
 
-def _nvme_paths(c: RuleContext, zero: dict) -> None:
+def _nvme_paths(c: RuleContext, ds: dict) -> None:
     """NVMe offload's swap folder must be there (or creatable) on this machine and hold what is swapped."""
-    folders = {str(section["nvme_path"]) for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
-               if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")}
     need = disk_gib(c.spec, c.plan) if c.spec is not None else None
-    for folder in sorted(folders):
+    for folder in nvme_swap_folders(ds):
         path = Path(folder) if Path(folder).is_absolute() else c.workdir / folder
         if not path.is_dir():  # this may not be the training machine: its disk cannot be judged from here
             c.add("warning", "nvme_path_missing", f"nvme_path {folder} is not a folder here; it must exist on the "
                   f"training machine with {need or 0:.0f} GiB free (lfa train checks before it starts)", "deepspeed")
             continue
-        existing = path
         try:
-            free = shutil.disk_usage(existing).free / 2**30
+            free = shutil.disk_usage(path).free / 2**30
         except OSError:
             continue
         if need is not None and need > disk_limit_gib(free):
             c.add("error", "nvme_path_no_room", f"nvme_path {folder}: NVMe offload swaps {need:.0f} GiB (fp32 master "
-                  f"weights, Adam moments, gradients) but {existing} has {free:.0f} GiB free (usable "
+                  f"weights, Adam moments, gradients) but {path} has {free:.0f} GiB free (usable "
                   f"{disk_limit_gib(free):.0f}); point nvme_path at a larger local disk", "deepspeed")
 
 

@@ -1,17 +1,17 @@
 """What a recipe will do on its hardware: plan, memory against the budget, host RAM, speed and wall time."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import UserError
+from ..data import profile_dataset
 from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..planner import predict
 from ..throughput import speed_basis
-from ..recipe.read import Recipe
+from ..recipe.read import Recipe, dataset_entries
 from ..strategy import Offload
 
 
@@ -92,28 +92,25 @@ def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -
         return 1.0, "packed rows fill cutoff_len"
     if recipe.meta.get("mean_seq_fraction") is not None:
         return float(recipe.meta["mean_seq_fraction"]), "mean row length measured by lfa generate"
-    from ..data import profile_dataset
-    from ..recipe.read import dataset_entries
-
-    for path, columns in dataset_entries(recipe, workdir):
-        try:
-            profile = profile_dataset(str(path), columns or {"prompt": "instruction", "query": "input",
-                                                             "response": "output"}, cutoff)
-        except UserError:
-            break
-        return profile.mean_seq_fraction, f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} " \
-                                          f"({profile.counted_with})"
-    return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
+    entries = dataset_entries(recipe, workdir)
+    try:
+        path, columns = entries[0]
+        profile = profile_dataset(str(path), columns or {"prompt": "instruction", "query": "input",
+                                                         "response": "output"}, cutoff)
+    except (IndexError, UserError):
+        return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
+    return profile.mean_seq_fraction, (f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} "
+                                       f"({profile.counted_with})")
 
 
 def count_dataset_rows(recipe: Recipe, workdir: Path) -> int | None:
     if recipe.meta.get("dataset_rows"):
         return int(recipe.meta["dataset_rows"])
+    entries = dataset_entries(recipe, workdir)
+    if not entries:
+        return None
     try:
-        dataset_dir = workdir / str(recipe.data.get("dataset_dir", "data"))
-        info = json.loads((dataset_dir / "dataset_info.json").read_text())
-        entry = info[str(recipe.data["dataset"]).split(",")[0].strip()]
-        with (dataset_dir / entry["file_name"]).open(encoding="utf-8") as fh:
+        with entries[0][0].open(encoding="utf-8") as fh:
             return sum(1 for line in fh if line.strip())
-    except (OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError):
         return None

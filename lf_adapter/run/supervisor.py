@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import UserError
-from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions
+from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions, nearest_existing
 from .guard import claim_output_dir, foreign_entries, output_dir_problem
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
@@ -31,8 +31,8 @@ from ..strategy import Sharding
 from ..planner import predict
 from ..throughput import speed_basis
 from ..data import dataset_problems
-from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerprint, load_recipe, parse_value, plan_from_recipe,
-                           recipe_hardware, recipe_model_spec)
+from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerprint, load_recipe, nvme_swap_folders,
+                           parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec)
 from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 from ..recipe.keys import launch_env, plan_keys
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
@@ -422,25 +422,20 @@ def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | 
     if model is None or not plan.offloads_to_nvme or not deepspeed_file:
         return None
     try:
-        zero = json.loads((folder / deepspeed_file).read_text()).get("zero_optimization") or {}
+        config = json.loads((folder / deepspeed_file).read_text())
     except (OSError, json.JSONDecodeError):
         return None  # the trainer reports an unreadable config itself
     need = disk_gib(model, plan)
-    for section in (zero.get("offload_optimizer"), zero.get("offload_param")):
-        if not isinstance(section, dict) or section.get("device") != "nvme" or not section.get("nvme_path"):
-            continue
-        path = folder / str(section["nvme_path"])
-        existing = path
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+    for swap in nvme_swap_folders(config if isinstance(config, dict) else {}):
+        path = folder / swap
+        existing = nearest_existing(path)
         reusable = sum(f.stat().st_size for f in (path / "zero_stage_3").rglob("*") if f.is_file()) / 2**30 \
             if (path / "zero_stage_3").is_dir() else 0.0
         free = shutil.disk_usage(existing).free / 2**30 + reusable
         if need > disk_limit_gib(free):
-            return (f"NVMe offload swaps {need:.0f} GiB to {section['nvme_path']}, but {existing} has {free:.0f} GiB "
-                    f"free ({disk_limit_gib(free):.0f} usable); point nvme_path at a larger local disk "
+            return (f"NVMe offload swaps {need:.0f} GiB to {swap}, but {existing} has {free:.0f} GiB free "
+                    f"({disk_limit_gib(free):.0f} usable); point nvme_path at a larger local disk "
                     "(lfa generate --nvme-path DIR)")
-        return None
     return None
 
 
