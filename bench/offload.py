@@ -47,11 +47,13 @@ RUNS = {
     "z3nvme_1.3b": ("model", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=16"]),
     "z3nvme_6.7b-12l_ga64": ("model_6.7b-12l", ["deepspeed=zero3", "offload=nvme-optimizer", "micro_batch_size=1"]),
     # memory-light optimizers on the whole 6.7B in fp16 (the seed card's precision), micro-batch 1 with checkpointing,
-    # 8 rows per step so 20 steps fit a device call; BAdam under the seed card's 31.73 GiB cap (it fits there),
-    # AdamW and 8-bit AdamW on the whole H200 (they do not fit the cap: their peaks and losses are the reference)
+    # 8 rows per step so 20 steps fit a device call, on the whole H200 so that each peak is measured rather than cut
+    # off by the cap (none of them fits the seed card's 31.73 GiB at cutoff 2048: lfa says so); the capped BAdam run
+    # is session 15's, which OOMed
     "opt_adamw_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true"]),
     "opt_adamw8bit_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true",
                                           "optimizer=adamw_8bit"]),
+    "opt_badam_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
     "opt_badam_6.7b_capped": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
 }
 OPTIMIZER_RUN_ARGS = ["--precision", "fp16", "--set", "effective_batch_size=8", "--set", "seed=42"]
@@ -173,6 +175,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
            "tree_peak_rss_gib": round(tree_peak, 2),
            "trainer_peak_rss_gib": float(peaks[-1][2]) if peaks else None,
            "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
+           "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
            "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
            "predicted_host_gib": meta.get("predicted_host_gib"),
            "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
@@ -220,6 +223,18 @@ def table(results: dict) -> None:
                   f"({disk / row['peak_swap_gib'] - 1:+.1%})")
 
 
+def loss_table(results: dict) -> None:
+    """Each optimizer run's loss per step beside AdamW's from the same start (same seed, data order, weights)."""
+    runs = {label: row["losses"] for label, row in results.items() if row.get("losses")}
+    if not runs:
+        return
+    print("\nloss per optimizer step (same seed, rows and random initial weights; reported, not claimed equal)")
+    print("step " + " ".join(f"{label:>20s}" for label in runs))
+    for step in range(max(len(v) for v in runs.values())):
+        print(f"{step + 1:4d} " + " ".join(f"{v[step]:20.4f}" if step < len(v) and v[step] is not None else f"{'-':>20s}"
+                                           for v in runs.values()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("assets", type=Path, nargs="?")
@@ -231,7 +246,9 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print predicted vs measured for a results file, run nothing")
     args = parser.parse_args()
     if args.table:
-        table(json.loads(args.table.read_text()))
+        results = json.loads(args.table.read_text())
+        table(results)
+        loss_table(results)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.assets / "offload"

@@ -60,18 +60,30 @@ def badam_block_params(model: ModelSpec) -> int:
     return max(model.params_per_layer, model.embedding_params)
 
 
+def checkpoint_bytes(model: ModelSpec) -> float:
+    """Bytes per parameter of the checkpoint as loaded (LLaMA-Factory loads with dtype "auto"); 16-bit when the
+    config does not say."""
+    return 4.0 if model.torch_dtype == "float32" else 2.0
+
+
+def badam_graph_layers(model: ModelSpec, plan: Plan) -> int:
+    """Layers whose whole forward graph BAdam keeps. LLaMA-Factory checkpoints only layers with trainable
+    parameters (model_utils/checkpointing.py, custom_gradient_checkpointing_func): every layer above the active
+    one keeps its activations; ascending switching starts at layer 0, so for the first switch interval all but one
+    do."""
+    return model.num_layers - 1 if plan.gradient_checkpointing else model.num_layers
+
+
 def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
     """Weights, gradients and optimizer states without DeepSpeed or FSDP, by optimizer."""
     p = model.num_params
     if plan.optimizer == Optimizer.BADAM:
-        # LLaMA-Factory keeps the model in half precision under BAdam (no fp32 upcast); BAdam gives the active
-        # block an fp32 copy, fp32 gradients and Adam moments, and only that block has 16-bit gradients
-        block = badam_block_params(model)
-        return {"weights (16-bit, BAdam: no fp32 upcast)": 2.0 * p,
+        # LLaMA-Factory keeps the model in the checkpoint's dtype under BAdam (no fp32 upcast); BAdam gives the
+        # active block an fp32 copy, fp32 gradients and Adam moments, and only that block has gradients of its own
+        block, stored = badam_block_params(model), checkpoint_bytes(model)
+        return {f"weights ({model.torch_dtype or '16-bit'} as loaded, BAdam: no fp32 upcast)": stored * p,
                 "active block (one layer): fp32 copy + fp32 grads + Adam m, v": 16.0 * block,
-                "active block: 16-bit gradients": 2.0 * block,
-                "not itemized (measured: a 6.7B BAdam run OOMed at 31.3 GiB; lower bound)":
-                    coefficients()["optimizers"]["badam_unexplained_bytes_per_param"] * p}
+                "active block: gradients in the model's dtype": stored * block}
     # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
     states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
     if plan.optimizer == Optimizer.ADAMW_8BIT:
@@ -132,7 +144,8 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     h, L = model.hidden_size, model.num_layers
     # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
     # (FSDP2's mixed precision also computes with 16-bit parameters)
-    sixteen_bit_model = plan.deepspeed is not None or plan.sharding == Sharding.FSDP2
+    sixteen_bit_model = (plan.deepspeed is not None or plan.sharding == Sharding.FSDP2
+                         or plan.optimizer == Optimizer.BADAM)
     per_layer = act[("deepspeed_" if sixteen_bit_model else "") + ("liger" if plan.liger else "eager")]
     per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
@@ -140,6 +153,19 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     if plan.attention == "eager":
         per_token_layer += act["eager_attention_bytes_per_score"] * model.num_heads * seq_len
     logits = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
+    if plan.optimizer == Optimizer.BADAM:
+        graph_layers = badam_graph_layers(model, plan)
+        items = {f"activations ({graph_layers} of {L} layers not checkpointed: BAdam, LLaMA-Factory checkpoints "
+                 "only the trainable layer)": per_token_layer * graph_layers * tokens,
+                 "checkpointed input of the active layer": tokens * act["checkpoint_bytes_per_hidden"] * h
+                 if plan.gradient_checkpointing else 0.0,
+                 "logits + loss": logits}
+        if plan.precision in ("bf16", "fp16") and model.torch_dtype != plan.precision:
+            # autocast casts each weight to the compute dtype and the backward keeps those copies for every
+            # layer in the graph (a bf16 checkpoint under fp16, or a checkpoint whose dtype is not known)
+            items[f"autocast {plan.precision} weight copies of those layers (checkpoint is "
+                  f"{model.torch_dtype or 'of unknown dtype'})"] = 2.0 * model.params_per_layer * graph_layers
+        return items
     if plan.gradient_checkpointing:
         factor = act["accumulation_factor"] if plan.grad_accum > 1 else 1.0
         stored = factor * tokens * (act["checkpoint_bytes_per_hidden"] * L * h)

@@ -23,6 +23,7 @@ class ModelSpec:
     vocab_size: int
     tied_embeddings: bool
     attention_bias: bool = False
+    torch_dtype: str | None = None  # the checkpoint's dtype (config.json); what LLaMA-Factory loads it in
 
     @property
     def head_dim(self) -> int:
@@ -44,10 +45,16 @@ class ModelSpec:
         lm_head = 0 if self.tied_embeddings else self.embedding_params
         return self.embedding_params + self.num_layers * self.params_per_layer + self.hidden_size + lm_head
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x (non-embedding params + lm_head) + attention 12*L*h*s (fwd+bwd)."""
+    def flops_per_token(self, seq_len: int, weight_gradients: bool = True) -> float:
+        """Training FLOPs per token: 6 x (non-embedding params + lm_head) + attention 12*L*h*s (fwd+bwd). Without
+        weight gradients (BAdam: one layer's only) the backward computes input gradients alone: 4 x params."""
         matmul_params = self.num_layers * self.params_per_layer + self.embedding_params
-        return 6.0 * matmul_params + 12.0 * self.num_layers * self.hidden_size * seq_len
+        return (6.0 if weight_gradients else 4.0) * matmul_params + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+
+def _dtype_name(value: object) -> str | None:
+    """config.json's dtype ("bfloat16", "torch.float16"; transformers 5 writes `dtype`, 4.x `torch_dtype`)."""
+    return str(value).removeprefix("torch.") if isinstance(value, str) and value != "auto" else None
 
 
 def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
@@ -59,13 +66,14 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads), intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            torch_dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
 
 
 CATALOG_KEYS = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias")
+                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "torch_dtype")
 
 
 def catalog() -> dict[str, dict]:

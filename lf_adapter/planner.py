@@ -290,7 +290,8 @@ def duration_text(seconds: float) -> str:
 
 
 def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_fraction: float,
-                           rows: int | None, epochs: float, speed_basis: str) -> list[str]:
+                           rows: int | None, epochs: float, speed_basis: str,
+                           pinned_optimizer: str | None = None) -> list[str]:
     """The listing of what runs on this machine: GPU, host and disk use, predicted speed, step and wall time."""
     if not options:
         return []
@@ -312,7 +313,9 @@ def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_
         lines.append(f"  note: the fastest opt-in optimizer is predicted {ratio:.1f}x faster than the fastest exact "
                      "plan here; --allow-optimizer-change (or --pin optimizer=NAME) lets lfa take it, at the cost of "
                      "not training with the paper's AdamW")
-    if not exact:
+    if not exact and pinned_optimizer not in (None, Optimizer.ADAMW):
+        lines.append(f"  exact plans (the paper's AdamW) were not priced: --pin optimizer={pinned_optimizer}")
+    elif not exact:
         lines.append("  no exact plan (the paper's AdamW) fits: an opt-in optimizer above, or the hardware below")
     lines.append(f"  speed rests on: {speed_basis}")
     return lines
@@ -328,8 +331,10 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
     if not hardware.has_gpu:
         return (f"no plan fits {where}: even {lightest.plan.label()} needs {lightest.memory.reserved_gib:.1f} GiB "
                 f"of RAM against a limit of {lightest.memory.limit_gib:.1f} GiB; use a smaller model")
-    lines = [f"no plan fits {where}: the model states alone are {16 * model.num_params / 2**30:.1f} GiB "
-             f"(16 bytes per parameter); the GPU has {lightest.memory.budget_gib:.1f} GiB "
+    states = (f"the model states alone are {16 * model.num_params / 2**30:.1f} GiB (16 bytes per parameter, "
+              "AdamW)" if not lightest.plan.changes_optimizer else
+              f"the lightest plan, {lightest.plan.label()}, needs {lightest.memory.reserved_gib:.1f} GiB")
+    lines = [f"no plan fits {where}: {states}; the GPU has {lightest.memory.budget_gib:.1f} GiB "
              f"({lightest.memory.limit_gib:.1f} usable with {options.headroom:.0%} headroom), the host "
              f"{lightest.host.ram_gib or 0:.0f} GiB of RAM"]
     if options.activation_scale > 1.0:
@@ -347,11 +352,11 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
             need_disk = best_host.disk_gib / (1.0 - coefficients()["nvme"]["disk_headroom"])
             lines.append(f"  would fit: {need_disk:.0f} GiB free at the swap folder (lfa generate --nvme-path DIR on a "
                          "larger local disk)")
+    else:
+        lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
     if hardware.disk is None:
         lines.append("  would fit with a local NVMe disk for ZeRO-3 NVMe offload: declare it in the profile as "
                      "disk: {path: DIR, free_gib: N, read_gbs: R, write_gbs: W} (lfa detect --measure-disk --save FILE)")
-    else:
-        lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
     if not suggest:
         return lines[0]
     plain = dataclasses.replace(options, below_reserved_gib=None)
@@ -386,14 +391,18 @@ OPTIMIZER_REASONS = {
     Optimizer.ADAMW_8BIT: ("8-bit AdamW (bitsandbytes, opt-in): Adam moments quantized block-wise to 8 bits, 2 B/param "
                            "instead of 8; CHANGES WHAT IS TRAINED (not the paper's AdamW)"),
     Optimizer.BADAM: ("BAdam (opt-in): block coordinate descent, one decoder layer trained at a time with Adam "
-                      "(switching every 50 steps), the model kept in half precision; CHANGES WHAT IS TRAINED (not "
-                      "the paper's AdamW; each layer sees 1/L of the updates); speed priced as a full backward"),
+                      "(switching every 50 steps), the model kept in its checkpoint's dtype; CHANGES WHAT IS TRAINED (not "
+                      "the paper's AdamW; each layer sees 1/L of the updates); LLaMA-Factory checkpoints only the "
+                      "trainable layer, so the others keep their activations (priced)"),
 }
 
 
 def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]) -> Plan:
     p = c.plan
-    _, precision_reason = pick_precision(hardware)
+    natural, precision_reason = pick_precision(hardware)
+    if p.precision != natural:
+        precision_reason = (f"{p.precision}: pinned (--precision or --pin); on its own lfa would pick {natural}: "
+                            f"{precision_reason}")
     mem = c.memory
     limit = "no GPU memory limit (CPU)" if mem.limit_gib is None else (
         f"{mem.reserved_gib:.1f} GiB of {mem.limit_gib:.1f} GiB allowed ({mem.budget_gib:.1f} GiB usable, "

@@ -3,10 +3,10 @@ catalog/memory_model.yaml, fitted in bench/README.md), and what a prediction res
 from __future__ import annotations
 
 from .hardware import HardwareProfile
-from .memory import coefficients
+from .memory import badam_block_params, coefficients
 from .model_spec import ModelSpec
 from .plan import Plan
-from .strategy import Offload, Sharding
+from .strategy import Offload, Optimizer, Sharding
 
 
 def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
@@ -25,8 +25,11 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     else:
         padded_len = seq_len
     real_tokens = plan.micro_batch_size * seq_len * fill
-    flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len)
-    if plan.gradient_checkpointing:
+    badam = plan.optimizer == Optimizer.BADAM
+    flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len, weight_gradients=not badam)
+    # BAdam: LLaMA-Factory recomputes only the trainable layer (memory.badam_graph_layers), so no recompute is priced
+    recompute = plan.gradient_checkpointing and not badam
+    if recompute:
         flops *= 4.0 / 3.0  # one more forward pass per layer
     if not hardware.has_gpu:
         return real_tokens / (flops / t["cpu_flops"])
@@ -34,7 +37,7 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     rate = gpu.peak_tflops_16bit * 1e12 * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
     if not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
         rate *= t["variable_shape_efficiency"]
-    if plan.gradient_checkpointing:
+    if recompute:
         rate *= t["checkpointing_gpu_efficiency"]
     if not plan.liger and plan.precision != "fp32":
         rate *= t["no_liger_gpu_efficiency"]
@@ -43,8 +46,7 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
     rate = min(rate * (model.hidden_size / t["fitted_hidden_size"]) ** t["width_rate_exponent"],
                gpu.peak_tflops_16bit * 1e12 * t["mfu_max"])
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
-    cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"]
-                                                          if plan.gradient_checkpointing else 1.0)
+    cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"] if recompute else 1.0)
     zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
     if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather
         # FSDP2 uses ZeRO-3's measured hook cost until it is measured itself (speed_basis says so)
@@ -57,7 +59,8 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
-    step_s += t["optimizer_bytes_per_param"] * partition / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    updated = badam_block_params(model) if badam else partition  # BAdam steps one block
+    step_s += t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
     if plan.offloads_to_nvme:
         step_s += nvme_step_s(model, plan, hardware)
     if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up

@@ -220,7 +220,7 @@ def generate(request: GenerateRequest) -> Generated:
     try:
         result = plan(spec, hardware, int(hp["effective_batch_size"]), cutoff, options)
     except NoPlanFits as exc:
-        listing = options_listing(exc.priced, hardware, cutoff, mean_fraction, rows, epochs)
+        listing = options_listing(exc.priced, hardware, cutoff, mean_fraction, rows, epochs, fixed.get("optimizer"))
         raise NoPlanFits("\n".join([str(exc), *listing]), exc.priced) from None
     chosen = result.chosen.plan
     meta = {"model": shape_model, "effective_batch_size": int(hp["effective_batch_size"]),
@@ -243,11 +243,12 @@ def generate(request: GenerateRequest) -> Generated:
                           report_to=request.report_to, nvme=nvme_setup(chosen, spec, hardware))
     return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task,
                      dataset=profile, hyperparameters=hp,
-                     listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs))
+                     listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs,
+                                             fixed.get("optimizer")))
 
 
 def options_listing(priced, hardware: HardwareProfile, seq_len: int, mean_fraction: float, rows: int | None,
-                    epochs: float) -> list[str]:
+                    epochs: float, pinned_optimizer: str | None = None) -> list[str]:
     options = machine_options(priced)
     basis = speed_basis(hardware, options[0].candidate.plan) if options else ""
-    return format_machine_options(options, seq_len, mean_fraction, rows, epochs, basis)
+    return format_machine_options(options, seq_len, mean_fraction, rows, epochs, basis, pinned_optimizer)
