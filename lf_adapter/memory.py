@@ -13,6 +13,7 @@ from .plan import Plan
 from .strategy import Optimizer, Sharding
 
 GIB = 2**30
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # plan precision -> config.json dtype
 DEFAULT_HEADROOM = 0.12
 
 
@@ -160,7 +161,7 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
                  "checkpointed input of the active layer": tokens * act["checkpoint_bytes_per_hidden"] * h
                  if plan.gradient_checkpointing else 0.0,
                  "logits + loss": logits}
-        if plan.precision in ("bf16", "fp16") and model.torch_dtype != plan.precision:
+        if plan.precision in ("bf16", "fp16") and model.torch_dtype != TORCH_DTYPES[plan.precision]:
             # autocast casts each weight to the compute dtype and the backward keeps those copies for every
             # layer in the graph (a bf16 checkpoint under fp16, or a checkpoint whose dtype is not known)
             items[f"autocast {plan.precision} weight copies of those layers (checkpoint is "
