@@ -54,9 +54,15 @@ RUNS = {
     "opt_adamw8bit_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true",
                                           "optimizer=adamw_8bit"]),
     "opt_badam_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
+    # BAdam does not run in fp16 (session 16: the loss scaler cannot unscale its bf16 gradients): bf16, beside AdamW
+    "opt_badam_6.7b_bf16": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
+    "opt_adamw_6.7b_bf16": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true"]),
     "opt_badam_6.7b_capped": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
 }
-OPTIMIZER_RUN_ARGS = ["--precision", "fp16", "--set", "effective_batch_size=8", "--set", "seed=42"]
+def optimizer_run_args(label: str) -> list[str]:
+    """fp16 (the seed card's precision) unless the label ends in _bf16; 8 rows per step, one seed."""
+    precision = "bf16" if label.endswith("_bf16") else "fp16"
+    return ["--precision", precision, "--set", "effective_batch_size=8", "--set", "seed=42"]
 
 
 class PeakSampler:
@@ -138,7 +144,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     profile = "h200-capped-32g" if capped else str(big_ram_profile(work))
     gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
            str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", profile,
-           *(OPTIMIZER_RUN_ARGS if optimizer_run else []),
+           *(optimizer_run_args(label) if optimizer_run else []),
            *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={20 if optimizer_run else steps}",
            "--set", "save_strategy=no",
            *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
@@ -184,7 +190,8 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     row.update(steady_state(run_dir / "events.jsonl"))
     trainer_log = folder / "saves" / "pseudo2norm" / "trainer_log.jsonl"
     if optimizer_run and trainer_log.exists():
-        row["losses"] = [json.loads(line).get("loss") for line in trainer_log.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in trainer_log.read_text().splitlines() if line.strip()]
+        row["losses"] = [r["loss"] for r in records if r.get("loss") is not None]  # the last record is the summary
     return row
 
 

@@ -289,6 +289,21 @@ def duration_text(seconds: float) -> str:
         f"{seconds:.0f} s"
 
 
+def ruled_out_optimizers(listed: list[Candidate]) -> dict[str, str]:
+    """The opt-in optimizers with no plan listed, and the constraint that rules each out at the listed precision."""
+    if not listed:
+        return {}
+    probe = listed[0].plan
+    shown = {c.plan.optimizer for c in listed}
+    out = {}
+    for optimizer in (o for o in Optimizer if o != Optimizer.ADAMW and o not in shown):
+        plain = probe.replace(optimizer=optimizer.value, sharding=Sharding.NONE, offload=Offload.NONE)
+        reasons = [c.why for c in violations(plain)]
+        if reasons:
+            out[optimizer.value] = "; ".join(reasons)
+    return out
+
+
 def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_fraction: float,
                            rows: int | None, epochs: float, speed_basis: str,
                            pinned_optimizer: str | None = None) -> list[str]:
@@ -306,6 +321,8 @@ def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_
         lines.append(f"  [{tag}] {c.plan.label()}: {c.memory.reserved_gib:.1f} / {c.host.total_gib:.1f} / "
                      f"{c.disk_gib:.0f} GiB, {c.tokens_per_s:,.0f} tok/s, {c.step_s(seq_len, mean_seq_fraction):,.0f} s "
                      f"per step, {duration_text(wall)}" + (f" -- {o.why_not}" if o.why_not else ""))
+    for optimizer, why in ruled_out_optimizers([o.candidate for o in options]).items():
+        lines.append(f"  [OPT-IN] {optimizer}: not possible here: {why}")
     exact = [o.candidate for o in options if o.kind == "exact"]
     light = [o.candidate for o in options if o.kind != "exact" and o.fits]
     if exact and light and max(c.tokens_per_s for c in light) > 2 * max(c.tokens_per_s for c in exact):

@@ -121,6 +121,12 @@ CONSTRAINTS: tuple[Constraint, ...] = (
                "lfa prices 8-bit AdamW and BAdam on one process only (BAdam does not run under DeepSpeed or FSDP; "
                "8-bit AdamW's states would be sharded differently)", "use AdamW, or one GPU without DeepSpeed",
                "optim"),
+    Constraint("badam_needs_bf16", lambda p: p.optimizer == Optimizer.BADAM and p.precision != "bf16",
+               "BAdam trains the checkpoint's 16-bit weights directly, and fp16 mixed precision's loss scaler cannot "
+               "unscale 16-bit gradients (measured on the H200, the 6.7B's bf16 checkpoint: NotImplementedError "
+               "'_amp_foreach_non_finite_check_and_unscale_cuda' not implemented for 'BFloat16'; an fp16 checkpoint "
+               "meets torch's 'Attempting to unscale FP16 gradients')",
+               "use a GPU with native bf16 (sm80+), or 8-bit AdamW, or the exact NVMe offload plan", "use_badam"),
     Constraint("padding_free_with_packing", lambda p: p.padding_free and p.packing,
                "packing already leaves no padding (and mixes rows); padding-free keeps rows apart without it",
                "use one of them", "packing"),

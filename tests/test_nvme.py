@@ -14,7 +14,7 @@ from lf_adapter.hardware import DiskSpec, load_profile, measure_disk, profile_fr
 from lf_adapter.memory import GIB, coefficients, disk_gib, estimate, host_memory, nvme_settings
 from lf_adapter.model_spec import load_model_spec
 from lf_adapter.plan import Plan
-from lf_adapter.planner import PlanOptions, candidate_plans, machine_options, plan
+from lf_adapter.planner import ruled_out_optimizers, PlanOptions, candidate_plans, machine_options, plan
 from lf_adapter.throughput import predict_tokens_per_s
 
 SIX_7B = "LLM4Binary/llm4decompile-6.7b-v2"
@@ -126,13 +126,17 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     opted = plan(model, hardware, 64, 2048, PlanOptions(fixed={"precision": "fp16"}, liger_available=False,
                                                         allow_optimizer_change=True))
     assert opted.chosen.tokens_per_s >= exact.chosen.tokens_per_s
-    rows = {o.candidate.plan.optimizer: o for o in machine_options(exact.priced) if o.kind != "exact"}
-    # neither fits the seed's card: 8-bit moments leave fp32 weights and grads; under BAdam LLaMA-Factory checkpoints
-    # only the trainable layer, so 31 layers keep activations and fp16 copies of the bf16 checkpoint's weights
-    assert not rows["adamw_8bit"].fits and not rows["badam"].fits and "GPU" in rows["badam"].why_not
-    roomy = dataclasses.replace(hardware, gpu=dataclasses.replace(hardware.gpu, vram_gib=48.0))
-    assert plan(model, roomy, 64, 2048, PlanOptions(fixed={"precision": "fp16"}, liger_available=False,
-                                                    allow_optimizer_change=True)).chosen.plan.optimizer == "badam"
+    listed = machine_options(exact.priced)
+    rows = {o.candidate.plan.optimizer: o for o in listed if o.kind != "exact"}
+    # 8-bit moments leave fp32 weights and grads: no fit on the seed's card; BAdam cannot run in fp16 at all
+    assert not rows["adamw_8bit"].fits and "badam" not in rows
+    assert "loss scaler" in ruled_out_optimizers([o.candidate for o in listed])["badam"]
+    # on a bf16 card with room BAdam is the opt-in choice; under it LLaMA-Factory checkpoints only the trainable
+    # layer, so the 31 others keep their activations (7.4 GiB of the 23.8 priced): no fit on a 24 GiB card
+    a100 = load_profile("a100-80g")
+    assert plan(model, a100, 64, 2048, PlanOptions(allow_optimizer_change=True)).chosen.plan.optimizer == "badam"
+    small = dataclasses.replace(a100, gpu=dataclasses.replace(a100.gpu, vram_gib=24.0))
+    assert plan(model, small, 64, 2048, PlanOptions(allow_optimizer_change=True)).chosen.plan.optimizer != "badam"
     eight = estimate(model, Plan("fp16", 1, 64, optimizer="adamw_8bit"), 2048, None).items
     assert eight["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] == \
         pytest.approx((2 + 8 / 256) * model.num_params / GIB)
@@ -158,7 +162,10 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     assert plan_from_recipe(load_recipe(tmp_path / "e" / "train.yaml"), hardware).optimizer == "adamw_8bit"
     review = run_lfa("review", tmp_path / "e" / "train.yaml", "--format", "json")
     assert "optimizer_changed" in review.stdout
-    badam_recipe = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=badam",
+    refused = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=badam",
+                      "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "r")
+    assert refused.returncode == 2 and "badam_needs_bf16" in refused.stderr and not (tmp_path / "r").exists()
+    badam_recipe = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "a100-80g", "--pin", "optimizer=badam",
                            "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "b")
     assert badam_recipe.returncode == 0 and "use_badam: true" in (tmp_path / "b" / "train.yaml").read_text()
     bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=lion",
