@@ -169,6 +169,9 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     text = (out / f"{label}.log").read_text(errors="replace")
     attempt_logs = sorted(run_dir.glob("attempt-*.log"))
     trainer_text = attempt_logs[-1].read_text(errors="replace") if attempt_logs else ""
+    for name in ("events.jsonl", "report.html"):  # per-step NVML utilization, SM clock and power; the run report
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, out / f"{label}-{name}")
     for attempt_log in attempt_logs:
         (out / f"{label}-{attempt_log.name}").write_text(attempt_log.read_text(errors="replace"))
     peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+) host_rss_gib=([\d.]+)", trainer_text)

@@ -40,7 +40,8 @@ def _run_folder(tmp_path: Path, *, status="failed", supervisor_pid=None, steps=(
                            resumed_from=str(tmp_path / "saves" / "checkpoint-4"),
                            overrides={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
                            predicted={"tokens_per_s": 2500, "reserved_gib": 25.0, "budget_gib": 31.73,
-                                      "memory_gib": {"weights (fp16)": 2.6, "activations": 10.0}, "host_gib": 20.0})
+                                      "memory_gib": {"weights (fp16)": 2.6, "activations": 10.0}, "host_gib": 20.0,
+                                      "flops_per_token": 9.0e9, "peak_tflops": 125.0})
     if status == "succeeded":
         second.status, second.first_step, second.last_step, second.ended_at = "succeeded", 5, 8, t0 + 90
     ledger = RunLedger(recipe="", attempts=[first, second], status=status, supervisor_pid=supervisor_pid)
@@ -51,7 +52,9 @@ def _run_folder(tmp_path: Path, *, status="failed", supervisor_pid=None, steps=(
         t = t0 + (step * 5 if n == 1 else 40 + (step - 4) * 5)
         events.append({"event": "step", "global_step": step, "max_steps": 8, "step_time_s": 1.0 + 0.1 * step,
                        "step_tokens": 2800 + 10 * step, "gpu_reserved_gib": 20.0 + step, "gpu_allocated_gib": 18.0,
-                       "gpu_util_pct": 90 + step % 3, "gpu_power_w": 250.0 + step, "host_rss_gib": 9.5,
+                       "gpu_util_pct": 90 + step % 3, "gpu_util_min": 40, "gpu_util_max": 100,
+                       "gpu_sm_clock_mhz": 1380, "gpu_sampling": "nvml sample buffer",
+                       "gpu_power_w": 250.0 + step, "host_rss_gib": 9.5,
                        "time": t, "attempt": n})
         events.append({"event": "log", "global_step": step, "loss": 5.0 - 0.3 * step, "grad_norm": 1.0 + 0.05 * step,
                        "learning_rate": 1e-4 * (1 - step / 10), "time": t, "attempt": n})
@@ -94,6 +97,9 @@ def test_summary_compares_speed_and_memory_with_the_prediction(tmp_path):
     assert f"{steady:,.0f} steady (predicted 2,500, -36%)" in lines
     assert "28.00 GiB reserved (predicted 25.00" in lines and "card 31.7 GiB" in lines
     assert "final loss   2.6000 at step 8" in lines and str(tmp_path / "report.html") in lines
+    # utilization: the mean of the steps after warm-up (step 8 alone here: 90 + 8 % 3), and the MFU beside it
+    assert f"GPU busy     92% of the time (NVML, nvml sample buffer" in lines
+    assert f"MFU {steady * 9.0e9 / 125e12:.1%}" in lines
 
 
 def test_report_of_a_run_killed_before_its_first_step_and_of_a_running_one(tmp_path):

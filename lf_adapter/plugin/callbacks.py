@@ -83,12 +83,12 @@ def _report_peak() -> None:
     print(f"{line} host_rss_gib={host_rss_gib()[1]:.2f} rank={os.environ.get('RANK', '0')}", flush=True)
 
 
-def _nvml_sample(cuda) -> dict:
-    """This rank's GPU utilization (%) and power (W) through NVML, for the run report; empty without NVML."""
-    try:
-        return {"gpu_util_pct": cuda.utilization(), "gpu_power_w": round(cuda.power_draw() / 1000.0, 1)}
-    except Exception:  # no nvidia-ml-py, or a driver without the counters
-        return {}
+def _gpu_step_stats() -> dict:
+    """Utilization, SM clock and power of this rank's GPU over the step that just ended (gpu_stats.py)."""
+    from .gpu_stats import step_sampler
+
+    sampler = step_sampler(int(os.environ.get("LOCAL_RANK", "0")))
+    return sampler.take() if sampler is not None else {}
 
 
 class EventsCallback(TrainerCallback):
@@ -107,7 +107,8 @@ class EventsCallback(TrainerCallback):
             event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
             # cudaFree + cudaMalloc retries: the allocator ran out of cached blocks (each one synchronizes)
             event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
-            event.update(_nvml_sample(cuda))
+            if event.get("event") in ("train_begin", "step"):  # train_begin opens the window of the first step
+                event.update(_gpu_step_stats())
         event["host_rss_gib"] = round(host_rss_gib()[0], 3)
         event["time"] = time.time()
         if os.environ.get(contract.ATTEMPT, "").isdigit():

@@ -17,6 +17,9 @@ from .control import run_state
 from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
 
 FIGURES = ("loss", "throughput", "memory", "gpu", "lr")
+# per-step numbers of the plugin's step events, read into AttemptSeries lists of the same names
+STEP_FIELDS = ("gpu_reserved_gib", "gpu_allocated_gib", "gpu_util_pct", "gpu_util_min", "gpu_util_max",
+               "gpu_sm_clock_mhz", "gpu_power_w", "host_rss_gib")
 WARMUP_STEPS = 3  # an attempt's first steps include compilation and allocator growth: not steady speed
 FAILURE_LABELS = {"cuda_oom": "OOM", "nan_loss": "NaN", "loss_diverged": "diverged"}
 
@@ -27,11 +30,16 @@ class AttemptSeries:
     n: int
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    step_seconds: list[float | None] = field(default_factory=list)
     tokens_per_s: list[float | None] = field(default_factory=list)
     gpu_reserved_gib: list[float | None] = field(default_factory=list)
     gpu_allocated_gib: list[float | None] = field(default_factory=list)
-    gpu_util_pct: list[float | None] = field(default_factory=list)
+    gpu_util_pct: list[float | None] = field(default_factory=list)  # mean over the step's NVML samples
+    gpu_util_min: list[float | None] = field(default_factory=list)
+    gpu_util_max: list[float | None] = field(default_factory=list)
+    gpu_sm_clock_mhz: list[float | None] = field(default_factory=list)
     gpu_power_w: list[float | None] = field(default_factory=list)
+    gpu_sampling: str | None = None  # how the utilization was sampled (gpu_stats.py)
     host_rss_gib: list[float | None] = field(default_factory=list)
     log_steps: list[int] = field(default_factory=list)
     loss: list[float | None] = field(default_factory=list)
@@ -44,6 +52,12 @@ class AttemptSeries:
         rates = [r for s, r in zip(self.steps, self.tokens_per_s) if r]
         rates = rates[WARMUP_STEPS:] or rates
         return statistics.median(rates) if rates else None
+
+    def steady_gpu_util(self) -> float | None:
+        """Mean GPU utilization over the steps after warm-up, each step's mean weighted by its duration."""
+        pairs = [(u, t) for u, t in zip(self.gpu_util_pct[WARMUP_STEPS:] or self.gpu_util_pct,
+                                        self.step_seconds[WARMUP_STEPS:] or self.step_seconds) if u is not None and t]
+        return sum(u * t for u, t in pairs) / sum(t for _, t in pairs) if pairs else None
 
 
 @dataclass
@@ -111,8 +125,10 @@ def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int,
             s.times.append(float(event.get("time") or 0.0))
             tokens, seconds = event.get("step_tokens"), event.get("step_time_s")
             s.tokens_per_s.append(tokens / seconds if tokens and seconds else None)
-            for name in ("gpu_reserved_gib", "gpu_allocated_gib", "gpu_util_pct", "gpu_power_w", "host_rss_gib"):
+            s.step_seconds.append(_finite(seconds))
+            for name in STEP_FIELDS:
                 getattr(s, name).append(_finite(event.get(name)))
+            s.gpu_sampling = event.get("gpu_sampling") or s.gpu_sampling
         elif kind == "log":
             if "train_runtime" in event:
                 s.final = {k: v for k, v in event.items() if k.startswith("train_") or k == "total_flos"}
@@ -215,6 +231,9 @@ def headline(report: RunReport) -> dict:
                      for a in report.attempts],
         "wall_time_s": _wall_time(report),
         "steady_tokens_per_s": s.steady_tokens_per_s() if s else None,
+        "mfu": mfu(s, predicted),
+        "gpu_util_mean": s.steady_gpu_util() if s else None,
+        "gpu_sampling": s.gpu_sampling if s else None,
         "predicted_tokens_per_s": predicted.get("tokens_per_s"),
         "speed_basis": predicted.get("speed_basis"),
         "peak_gpu_reserved_gib": max(gpu) if gpu else None,
@@ -227,6 +246,14 @@ def headline(report: RunReport) -> dict:
         "train_loss": (s.final.get("train_loss") if s else None),
         "last_step": max((a.last_step or 0 for a in report.attempts), default=0) or None,
     }
+
+
+def mfu(s: AttemptSeries | None, predicted: dict) -> float | None:
+    """Model FLOPs utilization of the steady steps: tokens/s x FLOPs per token over the GPUs' 16-bit peak."""
+    rate = s.steady_tokens_per_s() if s else None
+    if not rate or not predicted.get("flops_per_token") or not predicted.get("peak_tflops"):
+        return None
+    return rate * predicted["flops_per_token"] / (predicted["peak_tflops"] * 1e12)
 
 
 def _versus(measured: float | None, predicted: float | None, unit: str, digits: int = 0) -> str:
@@ -249,6 +276,9 @@ def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
              f"  tokens/s     {_versus(h['steady_tokens_per_s'], h['predicted_tokens_per_s'], 'steady')}"]
     if h["speed_basis"] and h["predicted_tokens_per_s"]:
         lines.append(f"               (prediction: {h['speed_basis']})")
+    if h["gpu_util_mean"] is not None:
+        lines.append(f"  GPU busy     {h['gpu_util_mean']:.0f}% of the time (NVML, {h['gpu_sampling']}, mean after "
+                     f"warm-up)" + (f"; MFU {h['mfu']:.1%}" if h["mfu"] is not None else ""))
     if h["peak_gpu_reserved_gib"] is not None:
         limit = f", card {h['gpu_limit_gib']:.1f} GiB" if h["gpu_limit_gib"] else ""
         lines.append(f"  GPU memory   {_versus(h['peak_gpu_reserved_gib'], h['predicted_reserved_gib'], 'GiB reserved', 2)}"
@@ -374,13 +404,20 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     ax_host.set_xlabel("optimizer step")
     paths["memory"] = fig
 
-    fig, (ax_util, ax_power) = _figure("GPU utilization and power (NVML, rank 0, sampled at each step's end)", rows=2)
-    for ax, attr, unit in ((ax_util, "gpu_util_pct", "utilization %"), (ax_power, "gpu_power_w", "power W")):
+    fig, (ax_util, ax_clock, ax_power) = _figure("GPU per optimizer step (NVML, rank 0): utilization mean and "
+                                                 "min-max of the step's samples, SM clock, power", rows=3)
+    for ax, attr, unit in ((ax_util, "gpu_util_pct", "utilization %"), (ax_clock, "gpu_sm_clock_mhz", "SM clock MHz"),
+                           (ax_power, "gpu_power_w", "power W")):
         if _plot_series(ax, report, "steps", attr, unit):
             _mark_attempts(ax, report)
         else:
             _no_data(ax, "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)")
         ax.set_ylabel(unit)
+    for s in report.series.values():  # the spread of the samples inside each step
+        band = [(x, lo, hi) for x, lo, hi in zip(s.steps, s.gpu_util_min, s.gpu_util_max)
+                if lo is not None and hi is not None]
+        if band:
+            ax_util.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2)
     ax_power.set_xlabel("optimizer step")
     paths["gpu"] = fig
 

@@ -278,7 +278,6 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
             time.sleep(POLL_S)
         returncode = process.wait()
         reporter.end_progress()
-        gpu_probe.close()
         reader.feed(follower.read_new())
         reader.flush()
         watcher.poll()
@@ -522,7 +521,10 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
             "speed_basis": speed_basis(hardware, plan),
             "reserved_gib": round(c.memory.reserved_gib, 3),
             "budget_gib": c.memory.budget_gib, "limit_gib": c.memory.limit_gib,
-            "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2)}
+            "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2),
+            # for the report's MFU: 6N + attention at cutoff_len per token (bench/seed_scenario.py's accounting)
+            "flops_per_token": model.flops_per_token(seq_len),
+            "peak_tflops": hardware.gpu.peak_tflops_16bit * plan.world_size if hardware.has_gpu else None}
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""The per-step GPU sampler (lf_adapter/plugin/gpu_stats.py). No GPU here: an object with pynvml's names stands in
+for the driver, serving a sample buffer as NVML does (samples newer than the timestamp asked for)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from lf_adapter.plugin.gpu_stats import StepGpuSampler, step_summary
+
+
+class FakeNvml:
+    NVML_GPU_UTILIZATION_SAMPLES, NVML_PROCESSOR_CLK_SAMPLES, NVML_TOTAL_POWER_SAMPLES = 4, 6, 0
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, buffered: bool):
+        self.buffered, self.buffers, self.calls = buffered, {4: [], 6: [], 0: []}, 0
+        self.now_us = 1_000
+
+    def add(self, util: int, clock: int, power_mw: int) -> None:
+        self.now_us += 100_000
+        for kind, value in ((4, util), (6, clock), (0, power_mw)):
+            self.buffers[kind].append(SimpleNamespace(timeStamp=self.now_us, sampleValue=SimpleNamespace(uiVal=value)))
+
+    def nvmlDeviceGetSamples(self, handle, kind, last_seen):
+        if not self.buffered:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        fresh = [s for s in self.buffers[kind] if s.timeStamp > last_seen]
+        if not fresh:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return 1, fresh  # NVML_VALUE_TYPE_UNSIGNED_INT
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.calls += 1
+        return SimpleNamespace(gpu=50 + 10 * (self.calls % 2))
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return 1980
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 450_000
+
+
+def test_each_step_gets_the_mean_and_spread_of_the_drivers_samples_inside_it():
+    lib = FakeNvml(buffered=True)
+    lib.add(90, 1900, 400_000)  # before training: not part of any step
+    sampler = StepGpuSampler(lib, handle=object())
+    assert sampler.buffered and sampler.take() == {}
+    for util in (20, 80, 95, 100):
+        lib.add(util, 1980, 600_000)
+    step = sampler.take()
+    assert step["gpu_util_pct"] == 73.8 and (step["gpu_util_min"], step["gpu_util_max"]) == (20, 100)
+    assert step["gpu_util_samples"] == 4 and step["gpu_sm_clock_mhz"] == 1980 and step["gpu_power_w"] == 600.0
+    lib.add(40, 1500, 300_000)
+    assert sampler.take()["gpu_util_samples"] == 1  # the next step sees only its own samples
+
+
+def test_without_the_sample_buffer_a_thread_polls_and_each_take_drains_it():
+    lib = FakeNvml(buffered=False)
+    sampler = StepGpuSampler(lib, handle=object())
+    assert not sampler.buffered
+    time.sleep(0.45)
+    step = sampler.take()
+    sampler.stop()
+    assert step["gpu_util_samples"] >= 2 and step["gpu_util_min"] == 50 and step["gpu_util_max"] == 60
+    assert step["gpu_power_w"] == 450.0 and "polled" in step["gpu_sampling"]
+    assert step_summary([], [], [], "x") == {}
