@@ -56,14 +56,15 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_
     assert checkpoint_step >= 4 and second["first_step"] == checkpoint_step + 1
     assert second["last_step"] == 14
 
-def test_sigint_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path):
+@pytest.mark.parametrize("sent, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path, sent, code):
     recipe = cpu_recipe("max_steps=200", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
     supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
     assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
-    supervisor.send_signal(signal.SIGINT)
+    supervisor.send_signal(sent)
     supervisor.communicate(timeout=120)
-    assert supervisor.returncode == 130
+    assert supervisor.returncode == code  # 128 + the signal, as shells report it
     ledger = _ledger(run_dir)
     assert ledger["status"] == "stopped"
     stopped = ledger["attempts"][0]

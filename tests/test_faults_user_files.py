@@ -5,8 +5,11 @@ import hashlib
 import json
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import _events, _ledger, _start_train, _wait_for, run_lfa
 
@@ -148,3 +151,49 @@ def test_printed_step_counts_follow_the_trainer_and_unexplained_kills_are_not_ho
     assert DatasetProfile("x", 130, 0.0, 0.0, 0.5).steps(64, 1.0) == 3
     assert host_oom_evidence(0, 0, 1.03, 23.5) is None
     assert "rose" in host_oom_evidence(0, 1, 1.0, 23.5) and "RSS" in host_oom_evidence(None, None, 22.0, 23.5)
+
+
+def _mount_tmpfs(folder, size_kib: int) -> bool:
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def _fill(folder) -> None:
+    """Write until the disk under folder is full."""
+    with open(folder / "filler", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_under_the_run_folder_loses_log_lines_not_the_training_and_the_ledger_is_kept(cpu_recipe,
+                                                                                                  tmp_path):
+    """Case 6: the run folder's disk fills mid-run (a real tmpfs, filled by this test). The trainer's log output and
+    events are dropped instead of killing it, training reaches its end and saves (output_dir is on another disk),
+    and the ledger is still written (lfa holds some room for it from the start)."""
+    run_dir = tmp_path / "small_disk"
+    if not _mount_tmpfs(run_dir, 4096):
+        pytest.skip("cannot mount a tmpfs here (needs root); the full-disk case runs where it can")
+    try:
+        recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "1"))
+        supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+        assert _wait_for(lambda: sum(e["event"] == "step" for e in _events(run_dir)) >= 2), supervisor.communicate()[0]
+        _fill(run_dir)
+        out, _ = supervisor.communicate(timeout=300)
+        assert supervisor.returncode == 0 and "training finished" in out and "disk is full" in out, out
+        assert "Traceback" not in out and "unknown" not in out
+        ledger = _ledger(run_dir)
+        assert ledger["status"] == "succeeded" and ledger["attempts"][0]["returncode"] == 0
+        assert json.loads((recipe.parent / "saves" / "pseudo2norm" / "trainer_log.jsonl").read_text()
+                          .splitlines()[-1])["current_steps"] == 30
+        # the events after the fill were dropped (the last line written may be cut off)
+        assert (run_dir / "events.jsonl").read_text().count('"event": "step"') < 30
+    finally:
+        subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)

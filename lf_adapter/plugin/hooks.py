@@ -173,6 +173,10 @@ def _patch_collator(collator_module) -> None:
 def install() -> None:
     if any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
         return
+    if os.environ.get(contract.EVENTS_FILE):  # under lfa train: output goes to the run folder's attempt log
+        from .streams import tolerate_full_disk
+
+        tolerate_full_disk()
     _AFTER_IMPORT["llamafactory.data.template"] = register_chat_templates
     _AFTER_IMPORT["llamafactory.train.tuner"] = _wrap_run_exp
     _AFTER_IMPORT["llamafactory.train.sft.trainer"] = _patch_sft_trainer

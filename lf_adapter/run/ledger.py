@@ -102,6 +102,25 @@ def read_ledger(run_dir: Path) -> RunLedger:
         raise UserError(f"cannot read {path}: {exc}") from None
 
 
+RESERVE_NAME = ".lfa-ledger-reserve"
+RESERVE_BYTES = 256 * 1024  # far more than a ledger of many attempts
+
+
+def reserve_room(run_dir: Path) -> None:
+    """Hold some of the run folder's disk so that the ledger can still be written when it fills."""
+    try:
+        (run_dir / RESERVE_NAME).write_bytes(b"\0" * RESERVE_BYTES)
+    except OSError:
+        release_reserve(run_dir)
+
+
+def release_reserve(run_dir: Path) -> None:
+    try:
+        (run_dir / RESERVE_NAME).unlink()
+    except OSError:
+        pass
+
+
 def write_ledger(run_dir: Path, ledger: RunLedger) -> None:
     """Atomic: readers (lfa status, a second terminal) see the old or the new ledger, never half of one."""
     path = run_dir / LEDGER_NAME

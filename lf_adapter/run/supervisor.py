@@ -18,7 +18,8 @@ from pathlib import Path
 from .. import UserError
 from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions, nearest_existing
 from .guard import claim_output_dir, foreign_entries, output_dir_problem
-from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, write_ledger
+from .ledger import (LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, release_reserve, reserve_room,
+                     write_ledger)
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
 from .process import (group_alive, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
@@ -664,6 +665,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         ledger.notes.append(ended_orphan)
         reporter.event("orphan", f"lfa: {ended_orphan}", note=ended_orphan)
     save()
+    reserve_room(setup.run_dir)
     previous_changes: dict = {}
     try:
         for _ in range(request.max_attempts):
@@ -800,9 +802,16 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        message = (f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa train "
-                   "again, it resumes from the newest complete checkpoint")
-        ledger.status = "failed"
+        last = ledger.last
+        if last is not None and last.returncode == 0:  # the trainer had finished: only lfa's records are missing
+            message = (f"training finished (the model is in {output_dir}), but the disk is full "
+                       f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
+                       "lfa report to redraw them")
+        else:
+            message = (f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
+                       "train again, it resumes from the newest complete checkpoint")
+        ledger.status = "succeeded" if last is not None and last.returncode == 0 else "failed"
+        release_reserve(run_dir)  # the room held at the start: enough for the ledger
         try:
             save()
         except OSError:
@@ -810,7 +819,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         if interrupted["process"] is not None:
             stop_group(interrupted["process"], grace_s=5.0)
         reporter.event("error", f"lfa: {message}", kind="disk_full")
-        return 1
+        return 0 if ledger.status == "succeeded" else 1
     except KeyboardInterrupt:
         ledger.status = "stopped"
         last = ledger.last
@@ -833,6 +842,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         return 143 if interrupted["signal"] == signal.SIGTERM else 130  # 128 + the signal, as shells report it
     finally:
         reporter.end_progress()
+        release_reserve(setup.run_dir)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for lock in locks:
