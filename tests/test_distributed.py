@@ -1,13 +1,14 @@
 """Beyond one process, on the CPU with the real llamafactory-cli: torchrun with 2 gloo processes, and 2 "nodes" on
 localhost (one `lfa train --node-rank` supervisor each); plus what lfa renders for a cluster and for Ray."""
 import json
+import signal
 import socket
 import subprocess
 import sys
 
 import yaml
 
-from conftest import REPO, run_lfa
+from conftest import REPO, _events, _ledger, _start_train, _wait_for, run_lfa
 
 
 def _free_port() -> int:
@@ -31,17 +32,32 @@ def _generate(demo_assets, out, hardware, *extra):
     return out / "train.yaml"
 
 
-def test_torchrun_with_two_gloo_processes(demo_assets, tmp_path):
-    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2))
+def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_path):
+    """Two gloo processes through torchrun, stopped mid-run (SIGINT: the plugin saves) and resumed. Resuming reads
+    the optimizer state with map_location "cpu:<rank>", which torch cannot restore by itself (the plugin adds it)."""
+    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+                       "--set", "max_steps=8", "--logging-steps", "1")
     launch = (recipe.parent / "launch.sh").read_text()
     assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="2"' in launch
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", env={"MASTER_PORT": str(_free_port())})
-    assert result.returncode == 0, result.stdout + result.stderr
-    log = (tmp_path / "run" / "attempt-1.log").read_text()
+    run_dir = tmp_path / "run"
+    env = {"MASTER_PORT": str(_free_port()), "LFA_STEP_DELAY_S": "0.5"}
+    supervisor = _start_train(recipe, run_dir, env)
+    assert _wait_for(lambda: any(e["event"] == "step" and e["global_step"] >= 2 for e in _events(run_dir))), \
+        supervisor.communicate()[0]
+    supervisor.send_signal(signal.SIGINT)
+    supervisor.communicate(timeout=120)
+    saved = sorted((recipe.parent / "saves" / "pseudo2norm").glob("checkpoint-*"))
+    assert supervisor.returncode == 130 and saved
+    log = (run_dir / "attempt-1.log").read_text()
     for rank in (0, 1):
         assert f"Process rank: {rank}, world size: 2, device: cpu" in log
-    begin = next(l for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines() if "train_begin" in l)
+    begin = next(l for l in (run_dir / "events.jsonl").read_text().splitlines() if "train_begin" in l)
     assert '"world_size": 2' in begin
+    resumed = run_lfa("train", recipe, "--run-dir", run_dir, env={"MASTER_PORT": str(_free_port())})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    last = _ledger(run_dir)["attempts"][-1]
+    assert last["resumed_from"].endswith(saved[-1].name) and last["last_step"] == 8
+    assert "don't know how to restore" not in (run_dir / f"attempt-{last['n']}.log").read_text()
 
 
 def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp_path):

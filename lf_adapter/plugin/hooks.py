@@ -70,12 +70,28 @@ def register_chat_templates(template_module) -> list[str]:
     return registered
 
 
+def _indexed_cpu(obj, location: str):
+    return obj if location.startswith("cpu:") else None
+
+
+def restore_indexed_cpu_locations() -> None:
+    """Multi-process runs on CPUs resume with transformers loading the optimizer state with map_location set to
+    args.device, which is torch.device("cpu", rank) there; torch knows how to restore "cpu" but not "cpu:0" ("don't
+    know how to restore data location"). An extra deserializer, after torch's own, keeps such storages where they
+    are: on the CPU."""
+    import torch.serialization as serialization
+
+    if all(entry[2] is not _indexed_cpu for entry in serialization._package_registry):
+        serialization.register_package(11, lambda obj: None, _indexed_cpu)
+
+
 def _wrap_run_exp(tuner_module) -> None:
     original = tuner_module.run_exp
 
     def run_exp(args=None, callbacks=None):
         from lf_adapter.plugin import callbacks as lfa_callbacks
 
+        restore_indexed_cpu_locations()
         lfa_callbacks.apply_memory_emulation()
         return original(args=args, callbacks=list(callbacks or []) + lfa_callbacks.build())
 
