@@ -40,10 +40,9 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
     launch = (recipe.parent / "launch.sh").read_text()
     assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="2"' in launch
     run_dir = tmp_path / "run"
-    env = {"MASTER_PORT": str(_free_port()), "LFA_STEP_DELAY_S": "0.5"}
+    env = {"MASTER_PORT": str(_free_port()), "LFA_STEP_DELAY_S": "0.5", "LFA_COMM_PROFILE_STEPS": "1-2"}
     supervisor = _start_train(recipe, run_dir, env)
-    assert _wait_for(lambda: any(e["event"] == "step" and e["global_step"] >= 2 for e in _events(run_dir))), \
-        supervisor.communicate()[0]
+    assert _wait_for(lambda: any(e["event"] == "comm" for e in _events(run_dir))), supervisor.communicate()[0]
     supervisor.send_signal(signal.SIGINT)
     supervisor.communicate(timeout=120)
     saved = sorted((recipe.parent / "saves" / "pseudo2norm").glob("checkpoint-*"))
@@ -53,11 +52,16 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
         assert f"Process rank: {rank}, world size: 2, device: cpu" in log
     begin = next(l for l in (run_dir / "events.jsonl").read_text().splitlines() if "train_begin" in l)
     assert '"world_size": 2' in begin
+    # the communication profiler's window (steps 1-2 here) measured gloo's all-reduces on rank 0
+    [comm] = [e for e in _events(run_dir) if e["event"] == "comm"]
+    assert 0 < comm["share"] < 1 and comm["collectives"] > 0 and any(k.startswith("gloo:") for k in comm["kinds"])
     resumed = run_lfa("train", recipe, "--run-dir", run_dir, env={"MASTER_PORT": str(_free_port())})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     last = _ledger(run_dir)["attempts"][-1]
     assert last["resumed_from"].endswith(saved[-1].name) and last["last_step"] == 8
     assert "don't know how to restore" not in (run_dir / f"attempt-{last['n']}.log").read_text()
+    assert f"collectives ran {comm['share']:.1%} of optimizer steps 1-2 of attempt 1" in \
+        (run_dir / "report.html").read_text()
 
 
 def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp_path):
@@ -174,3 +178,13 @@ def test_a_ray_job_that_ray_cannot_place_is_stopped_with_advice_not_left_waiting
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert len(ledger["attempts"]) == 1 and ledger["attempts"][0]["failure"]["kind"] == "ray_unschedulable"
     assert "master_addr" in ledger["attempts"][0]["overrides"]  # no dashboard needed to find the head
+
+
+def test_concurrent_collectives_count_once_and_the_window_is_read_from_the_environment():
+    from lf_adapter.plugin.comm_profile import DEFAULT_WINDOW, union_seconds, window_steps
+
+    # two buckets in flight together (0-4 ms and 2-6 ms) and one alone (10-11 ms): 7 ms, not 9
+    assert union_seconds([(10_000, 11_000), (0, 4_000), (2_000, 6_000)]) == 0.007
+    assert union_seconds([]) == 0.0
+    assert window_steps(None) == DEFAULT_WINDOW and window_steps("off") is None and window_steps("5-9") == (5, 9)
+    assert window_steps("9-5") == DEFAULT_WINDOW

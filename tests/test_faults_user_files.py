@@ -138,8 +138,8 @@ def test_a_full_disk_under_the_events_file_loses_events_not_the_training(capsys)
 
     callback = EventsCallback("/dev/full")  # every write fails with ENOSPC
     state = SimpleNamespace(is_world_process_zero=True)
-    callback._emit(state, event="step", global_step=1)
-    callback._emit(state, event="step", global_step=2)
+    callback.emit(state, event="step", global_step=1)
+    callback.emit(state, event="step", global_step=2)
     assert capsys.readouterr().out.count("cannot write /dev/full") == 1
 
 

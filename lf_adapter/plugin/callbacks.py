@@ -98,7 +98,7 @@ class EventsCallback(TrainerCallback):
         self.path, self.start, self.last = path, None, None
         self.write_failed = False
 
-    def _emit(self, state, **event) -> None:
+    def emit(self, state, **event) -> None:
         if not state.is_world_process_zero:
             return
         cuda = _cuda()
@@ -126,7 +126,7 @@ class EventsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
-        self._emit(state, event="train_begin", global_step=state.global_step, max_steps=state.max_steps,
+        self.emit(state, event="train_begin", global_step=state.global_step, max_steps=state.max_steps,
                    micro_batch_size=args.per_device_train_batch_size,
                    grad_accum=args.gradient_accumulation_steps, world_size=args.world_size, sampler=SAMPLER["name"])
 
@@ -135,21 +135,21 @@ class EventsCallback(TrainerCallback):
         # local count x world size: every rank's micro-batches come from the same sorted step (an estimate for N>1)
         tokens = None if tokens is None else int(tokens) * max(1, args.world_size)
         now = time.time()
-        self._emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
+        self.emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
                    step_time_s=round(now - self.last, 4), step_tokens=tokens,
                    flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0))
         self.last = now
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self._emit(state, event="log", global_step=state.global_step, **{k: v for k, v in (logs or {}).items()
+        self.emit(state, event="log", global_step=state.global_step, **{k: v for k, v in (logs or {}).items()
                                                                          if isinstance(v, (int, float, str))})
 
     def on_save(self, args, state, control, **kwargs):
-        self._emit(state, event="save", global_step=state.global_step,
+        self.emit(state, event="save", global_step=state.global_step,
                    checkpoint=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._emit(state, event="train_end", global_step=state.global_step, elapsed_s=round(time.time() - self.start, 3))
+        self.emit(state, event="train_end", global_step=state.global_step, elapsed_s=round(time.time() - self.start, 3))
 
 
 class FaultInjectionCallback(TrainerCallback):
@@ -246,5 +246,8 @@ class GracefulStopCallback(TrainerCallback):
 def build() -> list:
     callbacks = [FaultInjectionCallback(), GracefulStopCallback()]
     if os.environ.get(contract.EVENTS_FILE):
-        callbacks.append(EventsCallback(os.environ[contract.EVENTS_FILE]))
+        from .comm_profile import CommProfileCallback
+
+        events = EventsCallback(os.environ[contract.EVENTS_FILE])
+        callbacks += [events, CommProfileCallback(events.emit)]
     return callbacks

@@ -12,6 +12,7 @@ SUPERVISOR_PID = "LFA_SUPERVISOR_PID"  # the trainer saves and stops when this p
 ATTEMPT = "LFA_ATTEMPT"  # the attempt number stamped on every event
 CHAT_TEMPLATE_DIRS = "LFA_CHAT_TEMPLATE_DIRS"  # extra folders of chat templates to register
 REQUIRE_PLUGIN = "LFA_REQUIRE_PLUGIN"  # fail loudly when the plugin cannot load
+COMM_PROFILE_STEPS = "LFA_COMM_PROFILE_STEPS"  # "3-4" (default), "off": the communication profiler's window
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)
 EMULATE_MODEL = "LFA_EMULATE_MODEL"  # plan OOM recovery for this model's shape instead of the trained one

@@ -40,6 +40,7 @@ class AttemptSeries:
     gpu_sm_clock_mhz: list[float | None] = field(default_factory=list)
     gpu_power_w: list[float | None] = field(default_factory=list)
     gpu_sampling: str | None = None  # how the utilization was sampled (gpu_stats.py)
+    comm: dict | None = None  # the communication profiler's window (plugin/comm_profile.py)
     host_rss_gib: list[float | None] = field(default_factory=list)
     log_steps: list[int] = field(default_factory=list)
     loss: list[float | None] = field(default_factory=list)
@@ -129,6 +130,8 @@ def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int,
             for name in STEP_FIELDS:
                 getattr(s, name).append(_finite(event.get(name)))
             s.gpu_sampling = event.get("gpu_sampling") or s.gpu_sampling
+        elif kind == "comm":
+            s.comm = event
         elif kind == "log":
             if "train_runtime" in event:
                 s.final = {k: v for k, v in event.items() if k.startswith("train_") or k == "total_flos"}
@@ -465,10 +468,16 @@ def attempts_rows(report: RunReport) -> list[dict]:
 def communication_note(report: RunReport) -> str:
     worlds = {s.world_size for s in report.series.values() if s.world_size}
     if not worlds or worlds == {1}:
-        return "one process: no gradient exchange, so no communication time."
-    return (f"{max(worlds)} processes: the share of step time spent waiting on communication is not measured by "
-            "this version (it needs a CUDA profiler trace of NCCL kernels); the throughput plot against the "
-            "prediction, which includes the gradient exchange, is the nearest figure.")
+        return "0: one process exchanges no gradients."
+    measured = [(n, s.comm) for n, s in report.series.items() if s.comm and s.comm.get("share") is not None]
+    if not measured:
+        return (f"{max(worlds)} processes: not measured (the profiler's window, optimizer steps 3-4 unless "
+                "LFA_COMM_PROFILE_STEPS says otherwise, was not reached, or was turned off).")
+    n, c = measured[-1]
+    return (f"{c['world_size']} processes: collectives ran {c['share']:.1%} of optimizer steps {c['first_step']}-"
+            f"{c['last_step']} of attempt {n} ({c['comm_s']:.3f} of {c['window_s']:.3f} s; torch profiler on rank 0: "
+            f"{', '.join(c.get('kinds') or [])}). They overlap the backward, so this is the time spent in "
+            "communication, not all of it time the step waited for.")
 
 
 def evidence_message(lines: list[str]) -> str | None:

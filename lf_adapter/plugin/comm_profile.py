@@ -1,0 +1,90 @@
+"""Communication time of multi-process runs: a torch profiler window over a few optimizer steps on rank 0, the
+collectives in it (NCCL kernels on GPUs, gloo's work on CPUs) against the window's wall time. Collectives overlap
+the backward (DDP buckets, ZeRO reduce-scatter), so the share is time spent in communication, not time the step
+waited for it."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from transformers import TrainerCallback
+
+from . import contract
+
+# the work itself, not the calls that enqueue it (c10d::allreduce_ on the main thread would count it twice)
+COLLECTIVE = re.compile(r"^(nccl|gloo:)", re.IGNORECASE)
+DEFAULT_WINDOW = (3, 4)  # optimizer steps, after the warm-up steps that allocate and compile
+
+
+def window_steps(value: str | None) -> tuple[int, int] | None:
+    """LFA_COMM_PROFILE_STEPS: "first-last", "off", or unset (the default window)."""
+    if value is None or not value.strip():
+        return DEFAULT_WINDOW
+    if value.strip().lower() == "off":
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", value)
+    if not match or int(match[1]) < 1 or int(match[2]) < int(match[1]):
+        return DEFAULT_WINDOW
+    return int(match[1]), int(match[2])
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (µs in, s out): concurrent buckets count once."""
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total / 1e6
+
+
+def collective_intervals(events) -> tuple[list[tuple[float, float]], list[str]]:
+    """The (start, end) µs of every collective among the profiler's events, and their distinct names."""
+    spans, names = [], set()
+    for event in events:
+        if COLLECTIVE.match(event.name):
+            spans.append((event.time_range.start, event.time_range.end))
+            names.add(event.name)
+    return spans, sorted(names)
+
+
+class CommProfileCallback(TrainerCallback):
+    """Profiles steps first..last on rank 0 of a multi-process run and emits one `comm` event."""
+
+    def __init__(self, emit):
+        self.emit, self.window = emit, window_steps(os.environ.get(contract.COMM_PROFILE_STEPS))
+        self.profiler, self.started = None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if (self.window is None or args.world_size <= 1 or not state.is_world_process_zero
+                or self.profiler is not None or state.global_step + 1 != self.window[0]):
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.profiler = profile(activities=activities)
+        self.profiler.__enter__()
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None or self.started is None or state.global_step < self.window[1]:
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.started
+        self.profiler.__exit__(None, None, None)
+        spans, names = collective_intervals(self.profiler.events())
+        comm = union_seconds(spans)
+        self.emit(state, event="comm", first_step=self.window[0], last_step=self.window[1],
+                  window_s=round(wall, 4), comm_s=round(comm, 4), share=round(comm / wall, 4) if wall else None,
+                  collectives=len(spans), kinds=names[:8], world_size=args.world_size)
+        self.started = None  # one window per attempt
