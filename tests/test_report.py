@@ -175,3 +175,46 @@ def test_events_that_are_not_steps_are_left_out_and_said(tmp_path):
     text = page.read_text()
     assert "2 line(s) that are not events and 1 step event(s) without an integer step" in text
     assert sorted(report.series[2].steps) == [5, 6, 7, 8]
+
+
+def test_the_page_escapes_what_runs_and_recipes_put_in_it(tmp_path):
+    run_dir = _run_folder(tmp_path, status="succeeded")
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    ledger["notes"] = ["<script>alert('note')</script>"]
+    ledger["attempts"][0]["plan"] = "fp16/<img src=x onerror=alert(1)>"
+    (run_dir / "ledger.json").write_text(json.dumps(ledger))
+    _, page = write_report(run_dir)
+    text = page.read_text()
+    assert "<script>" not in text and "<img src=x" not in text
+    assert "&lt;script&gt;alert(&#39;note&#39;)&lt;/script&gt;" in text and "fp16/&lt;img src=x" in text
+
+
+def test_the_loss_plateau_is_found_and_a_previous_run_of_the_recipe_is_compared(tmp_path):
+    import math
+
+    from lf_adapter.run.report import plateau_step
+
+    steps = list(range(1, 101))
+    settling = [2.0 + 3.0 * math.exp(-s / 8) + 0.01 * (-1) ** s for s in steps]  # flat (within 5%) from ~step 25
+    assert 20 <= plateau_step(steps, settling) <= 35
+    assert plateau_step(steps, [5.0 - 0.03 * s for s in steps]) is None  # still falling at the end
+    assert plateau_step(steps[:10], settling[:10]) is None  # too few points to say
+    # two runs of one recipe in one runs folder: the later one's summary names the earlier one's final loss
+    earlier = _run_folder(tmp_path / "a", status="succeeded")
+    later = _run_folder(tmp_path / "b", status="succeeded")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    earlier.rename(runs / "earlier")
+    for run in (runs / "earlier", later):
+        ledger = json.loads((run / "ledger.json").read_text())
+        ledger["recipe"] = str(tmp_path / "recipe" / "train.yaml")
+        (run / "ledger.json").write_text(json.dumps(ledger))
+    ledger = json.loads((later / "ledger.json").read_text())
+    for attempt in ledger["attempts"]:  # began after the earlier run ended
+        attempt["started_at"] += 1000
+        attempt["ended_at"] = attempt["ended_at"] and attempt["ended_at"] + 1000
+    (later / "ledger.json").write_text(json.dumps(ledger))
+    later.rename(runs / "later")
+    lines = "\n".join(summary_lines(collect(runs / "later"), None))
+    assert "previous run earlier of this recipe: final loss 2.6000 at step 8" in lines
+    assert "previous run" not in "\n".join(summary_lines(collect(runs / "earlier"), None))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import html
 import json
 import math
 import statistics
@@ -188,6 +187,66 @@ def collect(run_dir: Path) -> RunReport:
     return RunReport(ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes)
 
 
+# ---------------------------------------------------------------- convergence
+
+PLATEAU_MIN_POINTS = 20  # fewer logged losses than this: too few to call a plateau
+PLATEAU_TOLERANCE = 0.05  # share of the smoothed loss's whole fall that still counts as "not falling"
+
+
+def smoothed(values: list[float], width: int) -> list[float]:
+    """Running median over `width` points (logged losses are noisy step to step)."""
+    half = width // 2
+    return [statistics.median(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
+
+
+def plateau_step(steps: list[int], losses: list[float]) -> int | None:
+    """The step from which the smoothed loss falls by less than PLATEAU_TOLERANCE of its whole fall until the end,
+    when that is before the last tenth of the run; None while it is still falling (or too few points)."""
+    if len(losses) < PLATEAU_MIN_POINTS:
+        return None
+    curve = smoothed(losses, max(5, len(losses) // 10))
+    fall = max(curve) - min(curve)
+    if fall <= 0:
+        return None
+    later_min = curve[:]
+    for i in range(len(curve) - 2, -1, -1):
+        later_min[i] = min(curve[i], later_min[i + 1])
+    for i, value in enumerate(curve):
+        if value - later_min[i] < PLATEAU_TOLERANCE * fall and value - curve[-1] < PLATEAU_TOLERANCE * fall:
+            return steps[i] if i < 0.9 * len(curve) else None
+    return None
+
+
+def loss_points(report: RunReport) -> tuple[list[int], list[float]]:
+    points = sorted((step, v) for series in report.series.values() for step, v in zip(series.log_steps, series.loss)
+                    if v is not None)
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def previous_run(report: RunReport) -> RunReport | None:
+    """The latest other run of the same recipe in the same runs folder that ended before this one began."""
+    began = min((a.started_at for a in report.attempts if a.started_at), default=None)
+    if began is None or not report.ledger.recipe:
+        return None
+    found = []
+    for folder in report.run_dir.resolve().parent.iterdir():
+        if folder == report.run_dir.resolve() or not (folder / "ledger.json").is_file():
+            continue
+        try:
+            ledger = read_ledger(folder)
+        except UserError:
+            continue
+        ended = max((a.ended_at for a in ledger.attempts if a.ended_at), default=None)
+        if ledger.recipe == report.ledger.recipe and ended is not None and ended <= began:
+            found.append((ended, folder))
+    if not found:
+        return None
+    folder = max(found)[1]
+    ledger = read_ledger(folder)
+    events, _ = _read_events(folder / "events.jsonl")
+    return RunReport(ledger.name or folder.name, folder, ledger, ledger.status, split_events(events, ledger.attempts))
+
+
 # ---------------------------------------------------------------- numbers for people
 
 def failure_label(attempt: AttemptRecord) -> str | None:
@@ -224,8 +283,10 @@ def headline(report: RunReport) -> dict:
     last = report.attempts[-1] if report.attempts else None
     s = report.series.get(last.n) if last else None
     predicted = last.predicted if last else {}
-    losses = [(step, v) for series in report.series.values() for step, v in zip(series.log_steps, series.loss)
-              if v is not None]
+    steps, values = loss_points(report)
+    losses = list(zip(steps, values))
+    previous = previous_run(report)
+    previous_losses = list(zip(*loss_points(previous))) if previous else []
     gpu = [v for v in (s.gpu_reserved_gib if s else []) if v is not None]
     host = [v for v in (s.host_rss_gib if s else []) if v is not None]
     return {
@@ -247,6 +308,9 @@ def headline(report: RunReport) -> dict:
         "final_loss": losses[-1][1] if losses else None,
         "final_step": losses[-1][0] if losses else None,
         "train_loss": (s.final.get("train_loss") if s else None),
+        "plateau_step": plateau_step(steps, values),
+        "previous_run": previous.name if previous else None,
+        "previous_loss": previous_losses[-1] if previous_losses else None,
         "last_step": max((a.last_step or 0 for a in report.attempts), default=0) or None,
     }
 
@@ -289,7 +353,12 @@ def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
     else:
         lines.append(f"  host memory  {_versus(h['peak_host_rss_gib'], None, 'GiB trainer RSS (no GPU)', 2)}")
     loss = "-" if h["final_loss"] is None else f"{h['final_loss']:.4f} at step {h['final_step']}"
-    lines.append(f"  final loss   {loss}")
+    lines.append(f"  final loss   {loss}" + (f"; the loss stopped falling around step {h['plateau_step']} (smoothed, "
+                                                 f"within {PLATEAU_TOLERANCE:.0%} of its fall)"
+                                                 if h["plateau_step"] is not None else ""))
+    if h["previous_loss"] is not None:
+        step, value = h["previous_loss"]
+        lines.append(f"  previous run {h['previous_run']} of this recipe: final loss {value:.4f} at step {step}")
     if report.output_dir is not None:
         checkpoints = sorted(Path(report.output_dir).glob("checkpoint-*")) if report.state != "succeeded" else []
         lines.append(f"  model        {report.output_dir}" +
@@ -350,87 +419,87 @@ def _plot_series(ax, report: RunReport, x: str, y: str, label: str) -> bool:
     return drawn
 
 
+def _panel(ax, report: RunReport, x: str, series: list[tuple[str, str]], ylabel: str, empty: str,
+           references: list[tuple[float, str, str | None]] = (), xlabel: str | None = None) -> bool:
+    """One plot of per-step series (each attempt its own line), horizontal reference lines (value, label, colour),
+    the attempts' markers; or a note when there is nothing to draw yet."""
+    drawn = False
+    for attr, label in series:
+        drawn = _plot_series(ax, report, x, attr, label) or drawn
+    if drawn:
+        for value, label, color in references:
+            ax.axhline(value, color=color, linestyle="--", linewidth=1, label=label)
+        if len(ax.get_legend_handles_labels()[0]) > 1 or references:
+            ax.legend(fontsize=8, loc="best")
+        _mark_attempts(ax, report)
+    else:
+        _no_data(ax, empty)
+    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    return drawn
+
+
 def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     paths = {}
     last = report.attempts[-1] if report.attempts else None
     predicted = last.predicted if last else {}
+    step_axis = "optimizer step"
 
     fig, (ax_loss, ax_grad) = _figure("loss and gradient norm per step", rows=2)
-    for ax, attr, name in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm", "grad norm")):
-        if _plot_series(ax, report, "log_steps", attr, name):
-            ax.legend(fontsize=8, loc="best")
-        else:
-            _no_data(ax, f"no {name} logged yet (LLaMA-Factory logs every logging_steps)")
-        ax.set_ylabel(name)
-        _mark_attempts(ax, report)
-    ax_grad.set_xlabel("optimizer step")
+    if _panel(ax_loss, report, "log_steps", [("loss", "loss")], "loss",
+              "no loss logged yet (LLaMA-Factory logs every logging_steps)"):
+        steps, values = loss_points(report)
+        plateau = plateau_step(steps, values)
+        if plateau is not None:
+            ax_loss.axvline(plateau, color="tab:orange", linewidth=1.2, alpha=0.8)
+            ax_loss.annotate("stopped falling", (plateau, 0.95), xycoords=("data", "axes fraction"), fontsize=8,
+                             color="tab:orange", ha="left", va="top")
+        previous = previous_run(report)
+        if previous is not None and loss_points(previous)[0]:
+            ax_loss.plot(*loss_points(previous), color="grey", linestyle="--", linewidth=1,
+                         label=f"previous run {previous.name}")
+            ax_loss.legend(fontsize=8, loc="best")
+    _panel(ax_grad, report, "log_steps", [("grad_norm", "grad norm")], "grad norm", "no gradient norm logged yet",
+           xlabel=step_axis)
     paths["loss"] = fig
 
     fig, (ax,) = _figure("training speed: non-pad tokens per second")
-    if _plot_series(ax, report, "steps", "tokens_per_s", "measured"):
-        for a in report.attempts:
-            if a.predicted.get("tokens_per_s"):
-                ax.axhline(a.predicted["tokens_per_s"], linestyle="--", linewidth=1,
-                           label=f"predicted, attempt {a.n} ({a.plan})")
-        ax.legend(fontsize=8, loc="best")
-        _mark_attempts(ax, report)
-    else:
-        _no_data(ax, "no optimizer step recorded yet")
-    ax.set_ylabel("tokens/s")
-    ax.set_xlabel("optimizer step")
+    _panel(ax, report, "steps", [("tokens_per_s", "measured")], "tokens/s", "no optimizer step recorded yet",
+           [(a.predicted["tokens_per_s"], f"predicted, attempt {a.n} ({a.plan})", None)
+            for a in report.attempts if a.predicted.get("tokens_per_s")], xlabel=step_axis)
     paths["throughput"] = fig
 
     fig, (ax_gpu, ax_host) = _figure("memory per step", rows=2)
-    if _plot_series(ax_gpu, report, "steps", "gpu_reserved_gib", "reserved (peak so far)"):
-        _plot_series(ax_gpu, report, "steps", "gpu_allocated_gib", "allocated (peak so far)")
-        if predicted.get("reserved_gib"):
-            ax_gpu.axhline(predicted["reserved_gib"], color="tab:purple", linestyle="--", linewidth=1,
-                           label=f"predicted peak {predicted['reserved_gib']:.1f} GiB")
-        if predicted.get("budget_gib"):
-            ax_gpu.axhline(predicted["budget_gib"], color="tab:red", linewidth=1.5,
-                           label=f"card {predicted['budget_gib']:.1f} GiB")
-        ax_gpu.legend(fontsize=8, loc="best")
-        _mark_attempts(ax_gpu, report)
-    else:
-        _no_data(ax_gpu, "no GPU memory recorded: this run trained on the CPU")
-    ax_gpu.set_ylabel("GPU GiB")
-    if _plot_series(ax_host, report, "steps", "host_rss_gib", "trainer RSS (rank 0)"):
-        if predicted.get("host_gib"):
-            ax_host.axhline(predicted["host_gib"], color="tab:purple", linestyle="--", linewidth=1,
-                            label=f"predicted per node {predicted['host_gib']:.1f} GiB")
-        ax_host.legend(fontsize=8, loc="best")
-    else:
-        _no_data(ax_host, "no host memory recorded")
-    ax_host.set_ylabel("host GiB")
-    ax_host.set_xlabel("optimizer step")
+    gpu_refs = ([(predicted["reserved_gib"], f"predicted peak {predicted['reserved_gib']:.1f} GiB", "tab:purple")]
+                if predicted.get("reserved_gib") else [])
+    gpu_refs += ([(predicted["budget_gib"], f"card {predicted['budget_gib']:.1f} GiB", "tab:red")]
+                 if predicted.get("budget_gib") else [])
+    _panel(ax_gpu, report, "steps", [("gpu_reserved_gib", "reserved (peak so far)"),
+                                     ("gpu_allocated_gib", "allocated (peak so far)")], "GPU GiB",
+           "no GPU memory recorded: this run trained on the CPU", gpu_refs)
+    _panel(ax_host, report, "steps", [("host_rss_gib", "trainer RSS (rank 0)")], "host GiB", "no host memory recorded",
+           [(predicted["host_gib"], f"predicted per node {predicted['host_gib']:.1f} GiB", "tab:purple")]
+           if predicted.get("host_gib") else [], xlabel=step_axis)
     paths["memory"] = fig
 
     fig, (ax_util, ax_clock, ax_power) = _figure("GPU per optimizer step (NVML, rank 0): utilization mean and "
                                                  "min-max of the step's samples, SM clock, power", rows=3)
-    for ax, attr, unit in ((ax_util, "gpu_util_pct", "utilization %"), (ax_clock, "gpu_sm_clock_mhz", "SM clock MHz"),
-                           (ax_power, "gpu_power_w", "power W")):
-        if _plot_series(ax, report, "steps", attr, unit):
-            _mark_attempts(ax, report)
-        else:
-            _no_data(ax, "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)")
-        ax.set_ylabel(unit)
+    no_nvml = "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)"
+    _panel(ax_util, report, "steps", [("gpu_util_pct", "utilization %")], "utilization %", no_nvml)
+    _panel(ax_clock, report, "steps", [("gpu_sm_clock_mhz", "SM clock MHz")], "SM clock MHz", no_nvml)
+    _panel(ax_power, report, "steps", [("gpu_power_w", "power W")], "power W", no_nvml, xlabel=step_axis)
     for s in report.series.values():  # the spread of the samples inside each step
         band = [(x, lo, hi) for x, lo, hi in zip(s.steps, s.gpu_util_min, s.gpu_util_max)
                 if lo is not None and hi is not None]
         if band:
             ax_util.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2)
-    ax_power.set_xlabel("optimizer step")
     paths["gpu"] = fig
 
     fig, (ax,) = _figure("learning rate")
-    if _plot_series(ax, report, "log_steps", "lr", "learning rate"):
-        _mark_attempts(ax, report)
-    else:
-        _no_data(ax, "no learning rate logged yet")
-    ax.set_ylabel("lr")
-    ax.set_xlabel("optimizer step")
+    _panel(ax, report, "log_steps", [("lr", "learning rate")], "lr", "no learning rate logged yet", xlabel=step_axis)
     paths["lr"] = fig
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -445,10 +514,6 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------- the page
-
-def _cell(value) -> str:
-    return html.escape("-" if value is None or value == "" else str(value))
-
 
 def attempts_rows(report: RunReport) -> list[dict]:
     rows = []
@@ -494,60 +559,33 @@ FINAL_LABELS = {"train_loss": "train_loss (the mean over the whole run, not the 
 
 
 def render_html(report: RunReport, figures: dict[str, Path]) -> str:
-    esc = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lfa run {esc(report.name)}</title>",
-             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:4px 6px;"
-             "vertical-align:top;text-align:left}img{max-width:100%}pre{background:#f6f6f6;padding:8px;"
-             "overflow-x:auto}.state{font-weight:bold}</style></head><body>",
-             f"<h1>lfa run <code>{esc(report.name)}</code></h1>",
-             f"<p class='state'>state: {esc(report.state)}"
-             + (" (still running: this page shows the steps so far; run lfa report again to refresh)"
-                if report.state == "running" else "")
-             + (" (the supervisor is gone and no end was recorded: killed?)" if report.state == "dead" else "")
-             + "</p>",
-             f"<p>recipe: <code>{esc(report.ledger.recipe)}</code><br>run folder: <code>{esc(str(report.run_dir))}"
-             "</code>" + (f"<br>model / checkpoints: <code>{esc(str(report.output_dir))}</code>"
-                          if report.output_dir else "")
-             + (f"<br>TensorBoard: <code>tensorboard --logdir {esc(str(report.tensorboard_dir))}</code>"
-                if report.tensorboard_dir else "") + "</p>",
-             "<h2>Summary</h2><pre>" + esc("\n".join(summary_lines(report, None)[1:])) + "</pre>",
-             "<h2>Attempts</h2>"]
-    rows = attempts_rows(report)
-    if rows:
-        parts.append("<table><tr>" + "".join(f"<th>{esc(k)}</th>" for k in rows[0]) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row.values()) + "</tr>" for row in rows]
-        parts.append("</table>")
-    else:
-        parts.append("<p>no attempt started yet</p>")
-    if report.ledger.error:
-        parts.append(f"<p>stopped before training: {esc(report.ledger.error)}</p>")
-    for note in report.ledger.notes + report.notes:
-        parts.append(f"<p>note: {esc(note)}</p>")
-    for name in FIGURES:
-        if name in figures:
-            data = base64.b64encode(figures[name].read_bytes()).decode()
-            parts.append(f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,{data}'>")
-    parts.append(f"<h2>Communication</h2><p>{esc(communication_note(report))}</p>")
+    """The self-contained page (templates/report/run.html.j2, autoescaped): every value below is escaped there."""
+    import jinja2
+
+    from .. import templates_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir() / "report")),
+                             autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["cell"] = lambda value: "-" if value is None or value == "" else str(value)
     finals = {n: s.final for n, s in report.series.items() if s.final}
+    final = None
     if finals:
-        n, final = max(finals.items())
-        parts.append(f"<h2>Final metrics (attempt {n})</h2><table>" +
-                     "".join(f"<tr><td>{esc(FINAL_LABELS.get(k, k))}</td>"
-                             f"<td>{_cell(round(v, 4) if isinstance(v, float) else v)}</td></tr>"
-                             for k, v in final.items()) + "</table>")
+        n, values = max(finals.items())
+        final = {"attempt": n, "rows": [(FINAL_LABELS.get(k, k), round(v, 4) if isinstance(v, float) else v)
+                                        for k, v in values.items()]}
     last = report.attempts[-1] if report.attempts else None
-    if last and last.predicted.get("memory_gib"):
-        memory = last.predicted["memory_gib"]
-        parts.append(f"<h2>Memory plan (attempt {last.n}: {esc(last.plan)}), GiB per GPU</h2><table>" +
-                     "".join(f"<tr><td>{esc(k)}</td><td>{v:.2f}</td></tr>" for k, v in memory.items()) +
-                     f"<tr><td>reserved at peak (predicted)</td><td>{last.predicted['reserved_gib']:.2f}</td></tr>"
-                     "</table>")
-    parts.append("<h2>Recipe: first attempt against last</h2>")
-    parts.append(f"<pre>{esc(report.recipe_diff)}</pre>" if report.recipe_diff else
-                 "<p>one attempt: the recipe ran as written (plus lfa's launch environment).</p>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    memory = ({"attempt": last.n, "plan": last.plan, "rows": list(last.predicted["memory_gib"].items()),
+               "reserved_gib": last.predicted["reserved_gib"]}
+              if last and last.predicted.get("memory_gib") else None)
+    return env.get_template("run.html.j2").render(
+        name=report.name, state=report.state, recipe=report.ledger.recipe, run_dir=str(report.run_dir),
+        output_dir=str(report.output_dir) if report.output_dir else None,
+        tensorboard_dir=str(report.tensorboard_dir) if report.tensorboard_dir else None,
+        summary="\n".join(summary_lines(report, None)[1:]), attempts=attempts_rows(report),
+        error=report.ledger.error, notes=report.ledger.notes + report.notes,
+        figures=[{"name": name, "data": base64.b64encode(figures[name].read_bytes()).decode()}
+                 for name in FIGURES if name in figures],
+        communication=communication_note(report), final=final, memory=memory, recipe_diff=report.recipe_diff)
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[RunReport, Path]:
