@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
@@ -25,7 +25,7 @@ from ..model_spec import ModelSpec, load_model_spec
 from .process import (group_alive, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
                      stop_process_group)
 from .progress import Reporter
-from .monitor import (FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_class,
+from .monitor import (Failure, FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_class,
                       failure_classes, fold_event, host_oom_evidence, unexplained_kill)
 from ..plan import Plan
 from ..strategy import Sharding
@@ -634,20 +634,186 @@ def prepare(request: TrainRequest) -> RunSetup:
                     model_dir, trained_model, context, effective, attempt, launch_keys, rendezvous_env, ended_orphan)
 
 
+@dataclass
+class LoopState:
+    """What carries from one attempt to the next: the plan to run, the changes the last one ran with, the notes for
+    the resolved recipe, the remedies tried."""
+    attempt: Attempt
+    previous_changes: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Launch:
+    """One attempt ready to start: its command line and environment, and what it changes and resumes from."""
+    n: int
+    command: list[str]
+    env: dict
+    env_names: list[str]  # the launch environment entries recorded in the ledger
+    overrides: dict
+    changes: dict
+    checkpoint: Path | None
+
+
+def prepare_launch(setup: RunSetup, state: LoopState) -> Launch | str:
+    """The next attempt's command, environment and overrides; a message instead when the disks lack room for it."""
+    recipe, hardware, output_dir, attempt = setup.recipe, setup.hardware, setup.output_dir, state.attempt
+    short = disk_shortfall(output_dir, setup.trained_model, attempt.plan, setup.effective)
+    if short:
+        return short
+    changes = key_changes(setup.effective, attempt, plan_keys(setup.attempt.plan))
+    if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
+        changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan, setup.context.model, hardware)
+    short = swap_shortfall(recipe.folder, changes.get("deepspeed") or setup.effective.data.get("deepspeed"),
+                           setup.context.model or setup.trained_model, attempt.plan)
+    if short:
+        return short
+    overrides = {**setup.user_keys, **changes, **setup.launch_keys}
+    # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
+    checkpoint = newest_complete_checkpoint(output_dir, tidy=not setup.request.node_rank) \
+        if output_dir.exists() else None
+    if checkpoint:
+        overrides["resume_from_checkpoint"] = str(checkpoint)
+        if not any(a.resumed_from or a.last_step for a in setup.ledger.attempts):
+            setup.reporter.event("resume_note", f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
+                                 "run; pass --fresh to start over (it renames old checkpoints aside)",
+                                 checkpoint=str(checkpoint))
+    n = len(setup.ledger.attempts) + 1
+    entries = launch_env(attempt.plan, offline=setup.model_dir.is_dir(), master_port=hardware.master_port,
+                         master_addr=hardware.master_addr, report_to=setup.effective.data.get("report_to"))
+    env = resolve_env(entries)
+    env.update(attempt.env)
+    env[contract.EVENTS_FILE] = str(setup.run_dir / "events.jsonl")
+    env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
+    env.update(setup.rendezvous_env)
+    if attempt.plan.sharding == Sharding.FSDP2:
+        write_accelerate_config(recipe.folder, attempt.plan)
+    command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
+                                   attempt.plan, env)
+    env[contract.ATTEMPT] = str(n)
+    return Launch(n, command, env, [e.name for e in entries], overrides, changes, checkpoint)
+
+
+def record_attempt(setup: RunSetup, state: LoopState, launch: Launch) -> AttemptRecord:
+    """The attempt's ledger entry, saved before it starts; says on the console what runs."""
+    plan = state.attempt.plan
+    record = AttemptRecord(
+        n=launch.n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=plan.label(),
+        overrides=launch.overrides, env={name: launch.env[name] for name in launch.env_names} | state.attempt.env,
+        recipe_hash=_hash({**setup.recipe.data, **launch.overrides}),
+        diff_from_previous={k: v for k, v in launch.changes.items() if state.previous_changes.get(k) != v},
+        resumed_from=str(launch.checkpoint) if launch.checkpoint else None,
+        predicted=attempt_prediction(setup.effective, setup.hardware, plan, setup.trained_model))
+    setup.reporter.event("attempt_start", f"[attempt {launch.n}] {plan.label()}" +
+                         (f" resuming from {launch.checkpoint.name}" if launch.checkpoint else "") +
+                         (f" with {launch.overrides}" if launch.overrides else ""), attempt=launch.n,
+                         plan=plan.label(), overrides=launch.overrides)
+    setup.ledger.attempts.append(record)
+    setup.save()
+    return record
+
+
+def run_and_classify(setup: RunSetup, launch: Launch, record: AttemptRecord, interrupted: dict,
+                     start_process) -> tuple[dict, Failure | None]:
+    """Start the trainer, watch it to its end, and say what went wrong (None: it succeeded)."""
+    run_dir, output_dir = setup.run_dir, setup.output_dir
+
+    def on_start(pid):
+        record.trainer_pid = pid
+        setup.save()
+
+    oom_kills_before = cgroup_oom_kills()
+    result = _run_attempt(launch.n, launch.command, setup.recipe.folder, launch.env, run_dir, output_dir,
+                          setup.reporter, interrupted, on_start,
+                          setup.trained_model.vocab_size if setup.trained_model else None,
+                          setup.request.stop_on_divergence, start_process)
+    failure = classify(result.pop("tail"), result["returncode"])
+    if failure is not None and failure.kind == "host_oom_kill":
+        peak = attempt_peak_rss_gib(run_dir / "events.jsonl", launch.n)
+        ram = setup.hardware.ram_gib or None
+        evidence = host_oom_evidence(oom_kills_before, cgroup_oom_kills(), peak, ram)
+        if evidence:
+            failure.evidence.append(f"host OOM: {evidence}")
+        else:
+            failure = unexplained_kill(failure, "no sign of a host OOM: the cgroup's oom_kill count did not "
+                                       "rise" + (f", the trainer's RSS peaked at {peak:.2f} of {ram:.0f} GiB"
+                                                 if peak and ram else "") + "; killed by someone else")
+    live_stop = (result["live_stop"] or {}).get("kind")
+    if live_stop == "nan_loss":
+        failure = classify(["lfa: non-finite loss or grad_norm"], None)
+    if live_stop == "loss_diverged":
+        failure = classify([f"lfa: loss diverged: {result['divergence_warning']}"], None)
+    if failure is not None and failure.kind == "nan_loss" and output_dir.exists() and not setup.request.node_rank:
+        trusted_until = result["last_finite_step"]
+        if trusted_until is None and launch.checkpoint is not None:  # diverged at once: keep what it resumed from
+            trusted_until = int(launch.checkpoint.name.rsplit("-", 1)[1]) + 1
+        record.diverged_checkpoints_set_aside = set_aside_poisoned_checkpoints(output_dir, trusted_until)
+    for key, value in result.items():
+        setattr(record, key, value)
+    record.failure = failure.to_dict() if failure else None
+    return result, failure
+
+
+def finish_success(setup: RunSetup, state: LoopState, launch: Launch, record: AttemptRecord) -> int:
+    """Record the success; when lfa changed the recipe, write the recipe as it finally ran beside it."""
+    record.status = setup.ledger.status = "succeeded"
+    if launch.changes:
+        recipe = setup.recipe
+        resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
+        env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
+                     for k, v in record.env.items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
+        resolved.write_text(resolved_text(recipe, {**setup.user_keys, **launch.changes}, state.notes + env_notes))
+        setup.ledger.resolved_recipe = str(resolved)
+        setup.reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)", path=str(resolved))
+    setup.save()
+    setup.reporter.event("done", f"[attempt {launch.n}] finished: {setup.output_dir}", attempt=launch.n,
+                         output_dir=str(setup.output_dir))
+    return 0
+
+
+def decide_after_failure(setup: RunSetup, state: LoopState, record: AttemptRecord, failure: Failure,
+                         result: dict) -> int | None:
+    """Record the failure and pick the remedy: the exit code when the run ends here, None when state.attempt now
+    holds the next attempt."""
+    ledger, reporter, n = setup.ledger, setup.reporter, record.n
+    record.status = "failed"
+    reporter.event("failure", f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
+                   attempt=n, **failure.to_dict())
+    log = setup.run_dir / result["log"]
+    if not failure.retriable:
+        ledger.status = "failed"
+        setup.save()
+        advice = next((c.advice for c in failure_classes() if c.name == failure.kind), "")
+        reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {log}"
+                       + (f"\n{advice}" if advice else ""), kind=failure.kind)
+        return 1
+    remedy = next_remedy(state.attempt, failure, setup.context, state.tried)
+    if remedy is None or remedy.attempt is None:
+        ledger.status = "failed"
+        if remedy is not None:
+            record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
+        setup.save()
+        reporter.event("error", f"lfa: {remedy.why}" if remedy else f"lfa: no remedy left for {failure.kind}; see {log}",
+                       kind=failure.kind)
+        return 1
+    state.notes.append(f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}")
+    record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
+    setup.save()
+    reporter.event("remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action,
+                   why=remedy.why)
+    state.attempt = remedy.attempt
+    return None
+
+
 def attempt_loop(setup: RunSetup, start_process=start) -> int:
-    """Attempts until one succeeds, a failure cannot be retried, or the budget is spent: the exit code.
+    """Attempts until one succeeds, a failure cannot be retried, or the budget is spent: the exit code. Each attempt:
+    prepare_launch, record_attempt, run_and_classify, then finish_success or decide_after_failure.
     start_process(command, cwd, env, log_file) -> Popen starts the trainer (launch.start; tests pass others)."""
-    request, recipe, hardware, name, run_dir, output_dir = (setup.request, setup.recipe, setup.hardware, setup.name,
-                                                            setup.run_dir, setup.output_dir)
-    locks, ledger, reporter, user_keys, model_dir = (setup.locks, setup.ledger, setup.reporter, setup.user_keys,
-                                                     setup.model_dir)
-    trained_model, context, effective, attempt = (setup.trained_model, setup.context, setup.effective,
-                                                  setup.attempt)
-    launch_keys, rendezvous_env, ended_orphan = setup.launch_keys, setup.rendezvous_env, setup.ended_orphan
+    request, run_dir, output_dir, ledger, reporter = (setup.request, setup.run_dir, setup.output_dir, setup.ledger,
+                                                      setup.reporter)
     save = setup.save
-    base_plan_keys = plan_keys(attempt.plan)
-    notes: list[str] = []
-    tried: set[str] = set()
+    state = LoopState(setup.attempt)
     interrupted = {"process": None, "signal": None}
 
     def on_signal(signum, frame):
@@ -660,141 +826,28 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
     for earlier in ledger.attempts:  # attempts of a supervisor that died (kill -9) never got a status
         earlier.status = earlier.status or "supervisor died"
-    ledger.status, ledger.supervisor_pid, ledger.error, ledger.name = "running", os.getpid(), None, name
-    if ended_orphan:
-        ledger.notes.append(ended_orphan)
-        reporter.event("orphan", f"lfa: {ended_orphan}", note=ended_orphan)
+    ledger.status, ledger.supervisor_pid, ledger.error, ledger.name = "running", os.getpid(), None, setup.name
+    if setup.ended_orphan:
+        ledger.notes.append(setup.ended_orphan)
+        reporter.event("orphan", f"lfa: {setup.ended_orphan}", note=setup.ended_orphan)
     save()
-    reserve_room(setup.run_dir)
-    previous_changes: dict = {}
+    reserve_room(run_dir)
     try:
         for _ in range(request.max_attempts):
-            n = len(ledger.attempts) + 1
-            short = disk_shortfall(output_dir, trained_model, attempt.plan, effective)
-            if short:
-                ledger.status, ledger.error = "failed", short
+            launch = prepare_launch(setup, state)
+            if isinstance(launch, str):
+                ledger.status, ledger.error = "failed", launch
                 save()
-                reporter.event("error", f"lfa: {short}", kind="disk_space")
+                reporter.event("error", f"lfa: {launch}", kind="disk_space")
                 return 1
-            changes = key_changes(effective, attempt, base_plan_keys)
-            if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
-                changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan, context.model, hardware)
-            short = swap_shortfall(recipe.folder, changes.get("deepspeed") or effective.data.get("deepspeed"),
-                                   context.model or trained_model, attempt.plan)
-            if short:
-                ledger.status, ledger.error = "failed", short
-                save()
-                reporter.event("error", f"lfa: {short}", kind="disk_space")
-                return 1
-            overrides = {**user_keys, **changes, **launch_keys}
-            # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
-            checkpoint = newest_complete_checkpoint(output_dir, tidy=not request.node_rank) \
-                if output_dir.exists() else None
-            if checkpoint:
-                overrides["resume_from_checkpoint"] = str(checkpoint)
-                if not any(a.resumed_from or a.last_step for a in ledger.attempts):
-                    reporter.event("resume_note", f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
-                                   "run; pass --fresh to start over (it renames old checkpoints aside)",
-                                   checkpoint=str(checkpoint))
-            entries = launch_env(attempt.plan, offline=model_dir.is_dir(), master_port=hardware.master_port,
-                                 master_addr=hardware.master_addr, report_to=effective.data.get("report_to"))
-            env = resolve_env(entries)
-            env.update(attempt.env)
-            env[contract.EVENTS_FILE] = str(run_dir / "events.jsonl")
-            env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
-            env.update(rendezvous_env)
-            if attempt.plan.sharding == Sharding.FSDP2:
-                write_accelerate_config(recipe.folder, attempt.plan)
-            command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
-                                           attempt.plan, env)
-            env[contract.ATTEMPT] = str(n)
-            record = AttemptRecord(
-                n=n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=attempt.plan.label(),
-                overrides=overrides, env={e.name: env[e.name] for e in entries} | attempt.env,
-                recipe_hash=_hash({**recipe.data, **overrides}),
-                diff_from_previous={k: v for k, v in changes.items() if previous_changes.get(k) != v},
-                resumed_from=str(checkpoint) if checkpoint else None,
-                predicted=attempt_prediction(effective, hardware, attempt.plan, trained_model))
-            reporter.event("attempt_start", f"[attempt {n}] {attempt.plan.label()}" +
-                           (f" resuming from {checkpoint.name}" if checkpoint else "") +
-                           (f" with {overrides}" if overrides else ""), attempt=n, plan=attempt.plan.label(),
-                           overrides=overrides)
-            ledger.attempts.append(record)
-            save()
-
-            def on_start(pid, record=record):
-                record.trainer_pid = pid
-                save()
-
-            oom_kills_before = cgroup_oom_kills()
-            result = _run_attempt(n, command, recipe.folder, env, run_dir, output_dir, reporter, interrupted, on_start,
-                                  trained_model.vocab_size if trained_model else None, request.stop_on_divergence,
-                                  start_process)
-            tail = result.pop("tail")
-            failure = classify(tail, result["returncode"])
-            if failure is not None and failure.kind == "host_oom_kill":
-                peak = attempt_peak_rss_gib(run_dir / "events.jsonl", n)
-                ram = hardware.ram_gib or None
-                evidence = host_oom_evidence(oom_kills_before, cgroup_oom_kills(), peak, ram)
-                if evidence:
-                    failure.evidence.append(f"host OOM: {evidence}")
-                else:
-                    failure = unexplained_kill(failure, "no sign of a host OOM: the cgroup's oom_kill count did not "
-                                               "rise" + (f", the trainer's RSS peaked at {peak:.2f} of {ram:.0f} GiB"
-                                                         if peak and ram else "") + "; killed by someone else")
-            if result["live_stop"] and result["live_stop"]["kind"] == "nan_loss":
-                failure = classify(["lfa: non-finite loss or grad_norm"], None)
-            if result["live_stop"] and result["live_stop"]["kind"] == "loss_diverged":
-                failure = classify([f"lfa: loss diverged: {result['divergence_warning']}"], None)
-            if failure is not None and failure.kind == "nan_loss" and output_dir.exists() and not request.node_rank:
-                trusted_until = result["last_finite_step"]
-                if trusted_until is None and checkpoint is not None:  # diverged at once: keep what it resumed from
-                    trusted_until = int(checkpoint.name.rsplit("-", 1)[1]) + 1
-                record.diverged_checkpoints_set_aside = set_aside_poisoned_checkpoints(output_dir, trusted_until)
-            for key, value in result.items():
-                setattr(record, key, value)
-            record.failure = failure.to_dict() if failure else None
-            previous_changes = changes
+            record = record_attempt(setup, state, launch)
+            result, failure = run_and_classify(setup, launch, record, interrupted, start_process)
+            state.previous_changes = launch.changes
             if failure is None:
-                record.status = ledger.status = "succeeded"
-                if changes:
-                    resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
-                    env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
-                                 for k, v in record.env.items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
-                    resolved.write_text(resolved_text(recipe, {**user_keys, **changes}, notes + env_notes))
-                    ledger.resolved_recipe = str(resolved)
-                    reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)",
-                                   path=str(resolved))
-                save()
-                reporter.event("done", f"[attempt {n}] finished: {output_dir}", attempt=n, output_dir=str(output_dir))
-                return 0
-            record.status = "failed"
-            reporter.event("failure", f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
-                           attempt=n, **failure.to_dict())
-            if not failure.retriable:
-                ledger.status = "failed"
-                save()
-                advice = next((c.advice for c in failure_classes() if c.name == failure.kind), "")
-                reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {run_dir / result['log']}"
-                               + (f"\n{advice}" if advice else ""), kind=failure.kind)
-                return 1
-            remedy = next_remedy(attempt, failure, context, tried)
-            if remedy is None or remedy.attempt is None:
-                ledger.status = "failed"
-                if remedy is not None:
-                    record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
-                save()
-                reporter.event("error", f"lfa: {remedy.why}" if remedy else
-                               f"lfa: no remedy left for {failure.kind}; see {run_dir / result['log']}",
-                               kind=failure.kind)
-                return 1
-            note = f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}"
-            notes.append(note)
-            record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
-            save()
-            reporter.event("remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action,
-                           why=remedy.why)
-            attempt = remedy.attempt
+                return finish_success(setup, state, launch, record)
+            code = decide_after_failure(setup, state, record, failure, result)
+            if code is not None:
+                return code
         ledger.status = "failed"
         save()
         reporter.event("error", f"lfa: retry budget of {request.max_attempts} attempts spent", kind="budget")
@@ -845,7 +898,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         release_reserve(setup.run_dir)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for lock in locks:
+        for lock in setup.locks:
             lock.close()
 
 
