@@ -74,17 +74,24 @@ class CommProfileCallback(TrainerCallback):
         self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.profiler is None or self.started is None or state.global_step < self.window[1]:
-            return
+        if self.profiler is not None and self.started is not None and state.global_step >= self.window[1]:
+            self._finish(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # training ended inside the window (fewer steps, or a stop): close the profiler, a live one crashes the exit
+        if self.profiler is not None and self.started is not None:
+            self._finish(args, state)
+
+    def _finish(self, args, state) -> None:
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.started
         self.profiler.__exit__(None, None, None)
+        self.started = None  # one window per attempt
         spans, names = collective_intervals(self.profiler.events())
         comm = union_seconds(spans)
-        self.emit(state, event="comm", first_step=self.window[0], last_step=self.window[1],
+        self.emit(state, event="comm", first_step=self.window[0], last_step=state.global_step,
                   window_s=round(wall, 4), comm_s=round(comm, 4), share=round(comm / wall, 4) if wall else None,
                   collectives=len(spans), kinds=names[:8], world_size=args.world_size)
-        self.started = None  # one window per attempt
