@@ -81,9 +81,10 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
     if plan.optimizer == Optimizer.BADAM:
         # LLaMA-Factory keeps the model in the checkpoint's dtype under BAdam (no fp32 upcast); BAdam gives the
         # active block an fp32 copy, fp32 gradients and Adam moments, and only that block has gradients of its own
+        # (the block's fp32 gradients exist only inside the optimizer step, after the activations are freed)
         block, stored = badam_block_params(model), checkpoint_bytes(model)
         return {f"weights ({model.torch_dtype or '16-bit'} as loaded, BAdam: no fp32 upcast)": stored * p,
-                "active block (one layer): fp32 copy + fp32 grads + Adam m, v": 16.0 * block,
+                "active block (one layer): fp32 copy + Adam m, v": 12.0 * block,
                 "active block: gradients in the model's dtype": stored * block}
     # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
     states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
@@ -156,8 +157,9 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     logits = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
     if plan.optimizer == Optimizer.BADAM:
         graph_layers = badam_graph_layers(model, plan)
+        frozen = act["badam_frozen_layer_fraction"]  # a frozen linear does not keep its input for the backward
         items = {f"activations ({graph_layers} of {L} layers not checkpointed: BAdam, LLaMA-Factory checkpoints "
-                 "only the trainable layer)": per_token_layer * graph_layers * tokens,
+                 "only the trainable layer)": frozen * per_token_layer * graph_layers * tokens,
                  "checkpointed input of the active layer": tokens * act["checkpoint_bytes_per_hidden"] * h
                  if plan.gradient_checkpointing else 0.0,
                  "logits + loss": logits}

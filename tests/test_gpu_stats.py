@@ -52,6 +52,10 @@ def test_each_step_gets_the_mean_and_spread_of_the_drivers_samples_inside_it():
     assert step["gpu_util_samples"] == 4 and step["gpu_sm_clock_mhz"] == 1980 and step["gpu_power_w"] == 600.0
     lib.add(40, 1500, 300_000)
     assert sampler.take()["gpu_util_samples"] == 1  # the next step sees only its own samples
+    # a driver without clock samples (the H200's): one reading of the SM clock at the step's end
+    lib.add(70, 1500, 300_000)
+    lib.buffers[lib.NVML_PROCESSOR_CLK_SAMPLES].clear()
+    assert sampler.take()["gpu_sm_clock_mhz"] == 1980
 
 
 def test_without_the_sample_buffer_a_thread_polls_and_each_take_drains_it():

@@ -67,6 +67,13 @@ class StepGpuSampler:
             self.last_us[kind] = max(s.timeStamp for s in fresh)
         return [float(getattr(s.sampleValue, field)) for s in fresh]
 
+    @staticmethod
+    def _read(reading) -> list[float]:
+        try:
+            return [float(reading())]
+        except Exception:
+            return []
+
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
@@ -81,8 +88,11 @@ class StepGpuSampler:
 
     def take(self) -> dict:
         if self.buffered:
-            return step_summary(self._buffer("util"), self._buffer("clock"),
-                                [mw / 1000.0 for mw in self._buffer("power")], "nvml sample buffer")
+            # some drivers keep no clock samples (the H200's did not): one reading at the step's end then
+            clock = self._buffer("clock") or self._read(lambda: self.lib.nvmlDeviceGetClockInfo(self.handle,
+                                                                                                self.lib.NVML_CLOCK_SM))
+            return step_summary(self._buffer("util"), clock, [mw / 1000.0 for mw in self._buffer("power")],
+                                "nvml sample buffer")
         with self._lock:
             rows, self._polled = self._polled, []
         return step_summary([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
