@@ -4,6 +4,7 @@ usage: python bench/model_check.py [bench/results/h200_session9/runD.json ...]
 The measured mean row length (1,475 tokens of 2,048 after truncation, bench/README.md) is given to the model, so
 this checks the throughput model alone, not lfa's length estimate from characters.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ def spec_of(label: str, row: dict):
     (seed_scenario --model-dir model_6.7b labels h200_6.7b)."""
     if row.get("model"):
         return catalog_spec(row["model"])
-    return catalog_spec(next((folder for folder in ("model_6.7b", "model_350m")
-                              if label.endswith(folder.removeprefix("model"))), "model"))
+    return catalog_spec(
+        next(
+            (folder for folder in ("model_6.7b", "model_350m") if label.endswith(folder.removeprefix("model"))), "model"
+        )
+    )
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
@@ -46,11 +50,13 @@ def plan_of(label: str, row: dict) -> Plan | None:
 
 
 def main() -> None:
-    runs = sys.argv[1:] or [*sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
-                            "bench/results/h200_session10/seed_deepspeed.json",
-                            *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json")),
-                            *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json")),
-                            *sorted(str(p) for p in Path("bench/results/h200_session14").glob("*.json"))]
+    runs = sys.argv[1:] or [
+        *sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
+        "bench/results/h200_session10/seed_deepspeed.json",
+        *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json")),
+        *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json")),
+        *sorted(str(p) for p in Path("bench/results/h200_session14").glob("*.json")),
+    ]
     worst = 0.0
     print(f"{'run':36s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for run in runs:
@@ -58,12 +64,15 @@ def main() -> None:
             plan = plan_of(label, row)
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
-            predicted = predict_tokens_per_s(spec_of(label, row), plan, load_profile(profile_of(label)), 2048,
-                                             MEAN_FRACTION)
+            predicted = predict_tokens_per_s(
+                spec_of(label, row), plan, load_profile(profile_of(label)), 2048, MEAN_FRACTION
+            )
             measured = row["steady_tokens_per_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
-            print(f"{Path(run).stem + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
+            print(
+                f"{Path(run).stem + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}"
+            )
     print(f"worst |error|: {worst:.1%}")
     width_check()
 
@@ -76,20 +85,25 @@ def width_check() -> None:
 
     t = coefficients()["throughput"]
     h200 = load_profile("h200")
-    print(f"\nwidth term on calibrate.py's short runs (median error per size; "
-          f"x{(1024 / t['fitted_hidden_size']) ** t['width_rate_exponent']:.2f} at 1024)")
+    print(
+        f"\nwidth term on calibrate.py's short runs (median error per size; "
+        f"x{(1024 / t['fitted_hidden_size']) ** t['width_rate_exponent']:.2f} at 1024)"
+    )
     for run in RUNS:
         errors: dict[str, list[float]] = {}
         for r in json.loads(Path(run).read_text())["rows"]:
             if r["precision"] != "bf16" or not r.get("tokens_per_s"):
                 continue
             mean_fraction = r["real_tokens_per_step"] / (r["mbs"] * r.get("ga", 1) * r["seq"])
-            plan = Plan("bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"],
-                        attention="sdpa")
+            plan = Plan(
+                "bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"], attention="sdpa"
+            )
             predicted = predict_tokens_per_s(spec_for(r["size"]), plan, h200, r["seq"], mean_fraction)
             errors.setdefault(r["size"], []).append(predicted / r["tokens_per_s"] - 1)
-        print(f"{Path(run).parent.name + '/' + Path(run).name:52s} " + "  ".join(
-            f"{size} {statistics.median(e):+6.1%} (n={len(e)})" for size, e in errors.items()))
+        print(
+            f"{Path(run).parent.name + '/' + Path(run).name:52s} "
+            + "  ".join(f"{size} {statistics.median(e):+6.1%} (n={len(e)})" for size, e in errors.items())
+        )
 
 
 if __name__ == "__main__":

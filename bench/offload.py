@@ -11,6 +11,7 @@ usage (here):    python bench/offload.py --table bench/results/<run>/offload.jso
 The trainer column (ru_maxrss) is what the model predicts per rank; the tree column sums RSS over every process,
 which counts pages that forked data workers share with the trainer more than once (an upper bound).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,14 +52,15 @@ RUNS = {
     # off by the cap (none of them fits the seed card's 31.73 GiB at cutoff 2048: lfa says so); the capped BAdam run
     # is session 15's, which OOMed
     "opt_adamw_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true"]),
-    "opt_adamw8bit_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true",
-                                          "optimizer=adamw_8bit"]),
+    "opt_adamw8bit_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=adamw_8bit"]),
     "opt_badam_6.7b": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
     # BAdam does not run in fp16 (session 16: the loss scaler cannot unscale its bf16 gradients): bf16, beside AdamW
     "opt_badam_6.7b_bf16": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
     "opt_adamw_6.7b_bf16": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true"]),
     "opt_badam_6.7b_capped": ("model_6.7b", ["micro_batch_size=1", "gradient_checkpointing=true", "optimizer=badam"]),
 }
+
+
 def optimizer_run_args(label: str) -> list[str]:
     """fp16 (the seed card's precision) unless the label ends in _bf16; 8 rows per step, one seed."""
     precision = "bf16" if label.endswith("_bf16") else "fp16"
@@ -142,18 +144,46 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     if capped:
         env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
     profile = "h200-capped-32g" if capped else str(big_ram_profile(work))
-    gen = [sys.executable, "-m", "lf_adapter.cli", "generate", "--task", "pseudo2norm", "--model",
-           str(assets / model_dir), "--dataset", str(assets / "pseudo2norm.jsonl"), "--hardware", profile,
-           *(optimizer_run_args(label) if optimizer_run else []),
-           *[x for p in pins for x in ("--pin", p)], "--set", f"max_steps={20 if optimizer_run else steps}",
-           "--set", "save_strategy=no",
-           *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
-           "--logging-steps", "1", "-o", str(folder), "--force"]
+    gen = [
+        sys.executable,
+        "-m",
+        "lf_adapter.cli",
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        str(assets / model_dir),
+        "--dataset",
+        str(assets / "pseudo2norm.jsonl"),
+        "--hardware",
+        profile,
+        *(optimizer_run_args(label) if optimizer_run else []),
+        *[x for p in pins for x in ("--pin", p)],
+        "--set",
+        f"max_steps={20 if optimizer_run else steps}",
+        "--set",
+        "save_strategy=no",
+        *(["--nvme-path", str(work / "swap" / label)] if any("nvme" in p for p in pins) else []),
+        "--logging-steps",
+        "1",
+        "-o",
+        str(folder),
+        "--force",
+    ]
     with open(out / f"{label}.gen.log", "wb") as log:
         subprocess.call(gen, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     started = time.time()
-    train = [sys.executable, "-m", "lf_adapter.cli", "train", str(folder / "train.yaml"), "--run-dir", str(run_dir),
-             "--max-attempts", "1"]
+    train = [
+        sys.executable,
+        "-m",
+        "lf_adapter.cli",
+        "train",
+        str(folder / "train.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--max-attempts",
+        "1",
+    ]
     with open(out / f"{label}.log", "wb") as log:
         process = subprocess.Popen(train, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         sampler = PeakSampler(lambda: tree_rss_gib(process.pid), 0.25)
@@ -175,21 +205,28 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     for attempt_log in attempt_logs:
         (out / f"{label}-{attempt_log.name}").write_text(attempt_log.read_text(errors="replace"))
     peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+) host_rss_gib=([\d.]+)", trainer_text)
-    meta = json.loads(next(line[12:] for line in (folder / "train.yaml").read_text().splitlines()
-                           if line.startswith("# lfa-meta: ")))
+    meta = json.loads(
+        next(line[12:] for line in (folder / "train.yaml").read_text().splitlines() if line.startswith("# lfa-meta: "))
+    )
     ledger = json.loads((run_dir / "ledger.json").read_text()) if (run_dir / "ledger.json").exists() else {}
     attempts = ledger.get("attempts") or [{}]
-    row = {"rc": rc, "plan": attempts[0].get("plan"), "model": model_dir, "wall_s": round(time.time() - started, 1),
-           "failure": (attempts[0].get("failure") or {}).get("kind"),
-           "tree_peak_rss_gib": round(tree_peak, 2),
-           "trainer_peak_rss_gib": float(peaks[-1][2]) if peaks else None,
-           "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
-           "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
-           "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
-           "predicted_host_gib": meta.get("predicted_host_gib"),
-           "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
-           "peak_swap_gib": round(disk_peak, 2), "predicted_disk_gib": meta.get("predicted_disk_gib"),
-           "killed": "SIGKILL" in text or "exitcode  : -9" in trainer_text}
+    row = {
+        "rc": rc,
+        "plan": attempts[0].get("plan"),
+        "model": model_dir,
+        "wall_s": round(time.time() - started, 1),
+        "failure": (attempts[0].get("failure") or {}).get("kind"),
+        "tree_peak_rss_gib": round(tree_peak, 2),
+        "trainer_peak_rss_gib": float(peaks[-1][2]) if peaks else None,
+        "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
+        "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
+        "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
+        "predicted_host_gib": meta.get("predicted_host_gib"),
+        "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
+        "peak_swap_gib": round(disk_peak, 2),
+        "predicted_disk_gib": meta.get("predicted_disk_gib"),
+        "killed": "SIGKILL" in text or "exitcode  : -9" in trainer_text,
+    }
     row.update(steady_state(run_dir / "events.jsonl"))
     trainer_log = folder / "saves" / "pseudo2norm" / "trainer_log.jsonl"
     if optimizer_run and trainer_log.exists():
@@ -205,8 +242,10 @@ def table(results: dict) -> None:
     from lf_adapter.throughput import predict_tokens_per_s
 
     hardware = load_profile("h200")
-    print(f"{'run':16s} {'plan':50s} {'trainer':>7s} {'pred':>6s} {'err':>6s} {'tree':>6s} {'node':>6s} "
-          f"{'tok/s':>7s} {'pred':>7s} {'err':>6s}")
+    print(
+        f"{'run':16s} {'plan':50s} {'trainer':>7s} {'pred':>6s} {'err':>6s} {'tree':>6s} {'node':>6s} "
+        f"{'tok/s':>7s} {'pred':>7s} {'err':>6s}"
+    )
     for label, row in results.items():
         if not row.get("plan"):
             print(f"{label:16s} (no plan: rc {row.get('rc')})")
@@ -221,16 +260,23 @@ def table(results: dict) -> None:
         pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 1475 / 2048)
         err = f"{per_rank / trainer - 1:+.1%}" if trainer else ("killed" if row.get("killed") else "-")
         terr = f"{pred_tps / tps - 1:+.1%}" if tps else "-"
-        print(f"{label:16s} {row['plan'][:50]:50s} {trainer or 0:7.1f} {per_rank:6.1f} {err:>6s} "
-              f"{row.get('tree_peak_rss_gib') or 0:6.1f} {host.total_gib:6.1f} {tps or 0:7,.0f} {pred_tps:7,.0f} {terr:>6s}")
+        print(
+            f"{label:16s} {row['plan'][:50]:50s} {trainer or 0:7.1f} {per_rank:6.1f} {err:>6s} "
+            f"{row.get('tree_peak_rss_gib') or 0:6.1f} {host.total_gib:6.1f} {tps or 0:7,.0f} {pred_tps:7,.0f} "
+            f"{terr:>6s}"
+        )
         gpu = estimate(spec, plan.replace(alloc_conf="expandable_segments:True"), 2048, None).reserved_gib
         if row.get("peak_reserved_gib"):
-            print(f"{'':16s} GPU reserved {row['peak_reserved_gib']:.2f} GiB, predicted {gpu:.2f} "
-                  f"({gpu / row['peak_reserved_gib'] - 1:+.1%})")
+            print(
+                f"{'':16s} GPU reserved {row['peak_reserved_gib']:.2f} GiB, predicted {gpu:.2f} "
+                f"({gpu / row['peak_reserved_gib'] - 1:+.1%})"
+            )
         if plan.offloads_to_nvme and row.get("peak_swap_gib"):
             disk = disk_gib(spec, plan)
-            print(f"{'':16s} NVMe swap {row['peak_swap_gib']:.2f} GiB, predicted {disk:.2f} "
-                  f"({disk / row['peak_swap_gib'] - 1:+.1%})")
+            print(
+                f"{'':16s} NVMe swap {row['peak_swap_gib']:.2f} GiB, predicted {disk:.2f} "
+                f"({disk / row['peak_swap_gib'] - 1:+.1%})"
+            )
 
 
 def loss_table(results: dict) -> None:
@@ -241,8 +287,12 @@ def loss_table(results: dict) -> None:
     print("\nloss per optimizer step (same seed, rows and random initial weights; reported, not claimed equal)")
     print("step " + " ".join(f"{label:>20s}" for label in runs))
     for step in range(max(len(v) for v in runs.values())):
-        print(f"{step + 1:4d} " + " ".join(f"{v[step]:20.4f}" if step < len(v) and v[step] is not None else f"{'-':>20s}"
-                                           for v in runs.values()))
+        print(
+            f"{step + 1:4d} "
+            + " ".join(
+                f"{v[step]:20.4f}" if step < len(v) and v[step] is not None else f"{'-':>20s}" for v in runs.values()
+            )
+        )
 
 
 def main() -> None:

@@ -20,10 +20,12 @@ Runs (pick with --only a,b):
   v100_golden     lfa's plan for a real V100 (compute-bound: mbs1, no checkpointing), run on the capped H200
   h200, h200_packing           lfa's plans for the whole H200 (uncapped): MFU
   h200_padfree, capped_padfree  the same with --pin padding_free=true (rows flattened, varlen attention, no padding)
-  h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the h200 plan
+  h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the
+                                                      h200 plan
 
 usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,17 +74,28 @@ def build_assets(assets: Path, model_dir: str) -> None:
         subprocess.run([sys.executable, str(REPO / "bench" / "make_assets.py"), str(assets), size], check=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def catalog_spec(model_dir: str):
     """The shape of a bench model folder, for tables made where the folders are not: model is the 1.3B, model_6.7b
     the 6.7B (lfa's catalog), model_6.7b-12l the 6.7B's layers, 12 of its 32, model_350m make_assets.py's 350M."""
     if model_dir == "model_350m":
-        return _from_config_dict("350m", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
-                                          "intermediate_size": 2816, "vocab_size": 32256, "model_type": "llama"})
+        return _from_config_dict(
+            "350m",
+            {
+                "hidden_size": 1024,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "intermediate_size": 2816,
+                "vocab_size": 32256,
+                "model_type": "llama",
+            },
+        )
     big = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
-    return {"model": load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), "model_6.7b": big,
-            "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12),
-            }[model_dir]
+    return {
+        "model": load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"),
+        "model_6.7b": big,
+        "model_6.7b-12l": dataclasses.replace(big, name="llm4decompile-6.7b-v2, 12 of 32 layers", num_layers=12),
+    }[model_dir]
 
 
 def lfa(*args, env=None, log=None) -> int:
@@ -110,12 +123,18 @@ def steady_state(events_file: Path) -> dict:
     events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
     steps = [e for e in events if e.get("event") == "step" and e.get("step_tokens")]
     begin = [e for e in events if e.get("event") == "train_begin"]
-    row = {"sampler": begin[-1].get("sampler") if begin else None, "steps_measured": max(0, len(steps) - 1),
-           "alloc_retries": steps[-1].get("alloc_retries") if steps else None}
+    row = {
+        "sampler": begin[-1].get("sampler") if begin else None,
+        "steps_measured": max(0, len(steps) - 1),
+        "alloc_retries": steps[-1].get("alloc_retries") if steps else None,
+    }
     if len(steps) > 1:
         tokens, seconds = sum(s["step_tokens"] for s in steps[1:]), sum(s["step_time_s"] for s in steps[1:])
-        row.update(steady_tokens_per_s=round(tokens / seconds), step_time_s=round(seconds / (len(steps) - 1), 3),
-                   tokens_per_step=round(tokens / (len(steps) - 1)))
+        row.update(
+            steady_tokens_per_s=round(tokens / seconds),
+            step_time_s=round(seconds / (len(steps) - 1), 3),
+            tokens_per_step=round(tokens / (len(steps) - 1)),
+        )
     return row
 
 
@@ -128,12 +147,16 @@ def measure(recipe: Path, log_text: str, events_file: Path, spec) -> dict:
     res = json.loads(results_file.read_text()) if results_file.exists() else {}
     peaks = re.findall(r"LFA_PEAK allocated_gib=([\d.]+) reserved_gib=([\d.]+)", log_text)
     oom = re.search(r"CUDA out of memory\. Tried to allocate [^\n]*", log_text)
-    row = {"precision": "bf16" if data.get("bf16") else "fp16" if data.get("fp16") else "fp32",
-           "micro_batch": data.get("per_device_train_batch_size"), "grad_accum": data.get("gradient_accumulation_steps"),
-           "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
-           "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
-           "lf_effective_tokens_per_s_incl_warmup": res.get("effective_tokens_per_sec"),
-           "train_runtime_s": res.get("train_runtime"), "oom": oom.group(0)[:240] if oom else None}
+    row = {
+        "precision": "bf16" if data.get("bf16") else "fp16" if data.get("fp16") else "fp32",
+        "micro_batch": data.get("per_device_train_batch_size"),
+        "grad_accum": data.get("gradient_accumulation_steps"),
+        "peak_allocated_gib": float(peaks[-1][0]) if peaks else None,
+        "peak_reserved_gib": float(peaks[-1][1]) if peaks else None,
+        "lf_effective_tokens_per_s_incl_warmup": res.get("effective_tokens_per_sec"),
+        "train_runtime_s": res.get("train_runtime"),
+        "oom": oom.group(0)[:240] if oom else None,
+    }
     row["effective_batch"] = (row["micro_batch"] or 0) * (row["grad_accum"] or 0)
     row.update(steady_state(events_file))
     if row.get("steady_tokens_per_s"):
@@ -149,9 +172,14 @@ def run_original(work: Path, assets: Path, out: Path, env: dict, spec) -> dict:
     ledger = json.loads((run_dir / "ledger.json").read_text())
     attempts = ledger["attempts"]
     first_failure = attempts[0].get("failure") or {}
-    row = {"lfa_train_rc": rc, "attempts": len(attempts), "first_attempt_failure": first_failure.get("kind"),
-           "oom_evidence": first_failure.get("evidence"), "oom_details": first_failure.get("details"),
-           "remedies": [a["remedy"]["why"] for a in attempts if a.get("remedy")]}
+    row = {
+        "lfa_train_rc": rc,
+        "attempts": len(attempts),
+        "first_attempt_failure": first_failure.get("kind"),
+        "oom_evidence": first_failure.get("evidence"),
+        "oom_details": first_failure.get("details"),
+        "remedies": [a["remedy"]["why"] for a in attempts if a.get("remedy")],
+    }
     if len(attempts) > 1 and attempts[0].get("live_stop"):
         row["oom_line_to_relaunch_s"] = round(attempts[1]["started_at"] - attempts[0]["live_stop"]["detected_at"], 3)
     for i, attempt in enumerate(attempts, 1):
@@ -165,57 +193,112 @@ def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: in
     recipe = prepare_hand_recipe("seed_fix", work, assets, steps)
     events = work / "seed_fix.events.jsonl"
     boot = str(REPO / "lf_adapter" / "plugin" / "boot")
-    run_env = {**env, "LFA_EVENTS_FILE": str(events),
-               "PYTHONPATH": os.pathsep.join(filter(None, [boot, str(REPO), env.get("PYTHONPATH")]))}
+    run_env = {
+        **env,
+        "LFA_EVENTS_FILE": str(events),
+        "PYTHONPATH": os.pathsep.join(filter(None, [boot, str(REPO), env.get("PYTHONPATH")])),
+    }
     log = out / "seed_fix.log"
     with open(log, "wb") as fh:
-        subprocess.call(["llamafactory-cli", "train", "train.yaml"], cwd=recipe.parent, env=run_env, stdout=fh,
-                        stderr=subprocess.STDOUT)
+        subprocess.call(
+            ["llamafactory-cli", "train", "train.yaml"],
+            cwd=recipe.parent,
+            env=run_env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
     return measure(recipe, log.read_text(errors="replace"), events, spec)
 
 
-def run_generated(label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int,
-                  model_dir: str = "model") -> dict:
+def run_generated(
+    label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int, model_dir: str = "model"
+) -> dict:
     profile, gen_args, train_sets, _ = GENERATED[label]
     folder, run_dir = work / label, work / "runs" / label
-    lfa("generate", "--task", "pseudo2norm", "--model", str(assets / model_dir), "--dataset",
-        str(assets / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args, "--set", f"max_steps={steps}", "--set", "save_strategy=no",
-        "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force", log=out / f"{label}.gen.log")
+    lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        str(assets / model_dir),
+        "--dataset",
+        str(assets / "pseudo2norm.jsonl"),
+        "--hardware",
+        profile,
+        *gen_args,
+        "--set",
+        f"max_steps={steps}",
+        "--set",
+        "save_strategy=no",
+        "--save-steps",
+        "100000",
+        "--logging-steps",
+        "1",
+        "-o",
+        str(folder),
+        "--force",
+        log=out / f"{label}.gen.log",
+    )
     started = time.time()
-    rc = lfa("train", str(folder / "train.yaml"), "--run-dir", str(run_dir), "--max-attempts", "2",
-             *[x for s in train_sets for x in ("--set", s)], env=env, log=out / f"{label}.log")
+    rc = lfa(
+        "train",
+        str(folder / "train.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--max-attempts",
+        "2",
+        *[x for s in train_sets for x in ("--set", s)],
+        env=env,
+        log=out / f"{label}.log",
+    )
     ledger = json.loads((run_dir / "ledger.json").read_text())
     attempts = ledger["attempts"]
-    meta = json.loads(next(line[12:] for line in (folder / "train.yaml").read_text().splitlines()
-                           if line.startswith("# lfa-meta: ")))
-    row = {"lfa_train_rc": rc, "attempts": len(attempts), "plan": attempts[0]["plan"],
-           "first_try_fit": attempts[0].get("failure") is None, "wall_s": round(time.time() - started, 1),
-           "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
-           "predicted_tokens_per_s": meta.get("predicted_tokens_per_s")}
+    meta = json.loads(
+        next(line[12:] for line in (folder / "train.yaml").read_text().splitlines() if line.startswith("# lfa-meta: "))
+    )
+    row = {
+        "lfa_train_rc": rc,
+        "attempts": len(attempts),
+        "plan": attempts[0]["plan"],
+        "first_try_fit": attempts[0].get("failure") is None,
+        "wall_s": round(time.time() - started, 1),
+        "predicted_reserved_gib": meta.get("predicted_reserved_gib"),
+        "predicted_tokens_per_s": meta.get("predicted_tokens_per_s"),
+    }
     if attempts[0].get("failure"):
         row["first_failure"] = attempts[0]["failure"]["kind"]
     for i, attempt in enumerate(attempts, 1):  # the trainer's own output, for failures
         shutil.copy(run_dir / attempt["log"], out / f"{label}-attempt-{i}.log")
-    row.update(measure(folder / "train.yaml", (run_dir / attempts[-1]["log"]).read_text(errors="replace"),
-                       run_dir / "events.jsonl", spec))
+    row.update(
+        measure(
+            folder / "train.yaml",
+            (run_dir / attempts[-1]["log"]).read_text(errors="replace"),
+            run_dir / "events.jsonl",
+            spec,
+        )
+    )
     shutil.rmtree(folder / "saves", ignore_errors=True)
     return row
 
 
 def print_table(table: dict) -> None:
     seed = (table.get("seed_fix") or {}).get("steady_tokens_per_s")
-    print(f"{'run':20s} {'plan':48s} {'batch':>5s} {'peak res':>8s} {'headroom':>8s} {'steady tok/s':>12s} "
-          f"{'x seed':>6s} {'MFU':>6s} {'LF eff tok/s':>12s}")
+    print(
+        f"{'run':20s} {'plan':48s} {'batch':>5s} {'peak res':>8s} {'headroom':>8s} {'steady tok/s':>12s} "
+        f"{'x seed':>6s} {'MFU':>6s} {'LF eff tok/s':>12s}"
+    )
     for label, row in table.items():
         tps = row.get("steady_tokens_per_s")
         ratio = f"{tps / seed:.2f}x" if tps and seed else "-"
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "-"
         capped = label in ("original", "seed_fix") or GENERATED.get(label, (None, None, None, False))[3]
         headroom = f"{1 - row['peak_reserved_gib'] / CAP_GIB:.1%}" if capped and row.get("peak_reserved_gib") else "-"
-        print(f"{label:20s} {str(row.get('plan', '(hand-written)'))[:48]:48s} {row.get('effective_batch', 0):5d} "
-              f"{row.get('peak_reserved_gib') or 0:8.2f} {headroom:>8s} {tps or 0:12,.0f} "
-              f"{ratio:>6s} {mfu:>6s} "
-              f"{row.get('lf_effective_tokens_per_s_incl_warmup') or 0:12,.0f}")
+        print(
+            f"{label:20s} {str(row.get('plan', '(hand-written)'))[:48]:48s} {row.get('effective_batch', 0):5d} "
+            f"{row.get('peak_reserved_gib') or 0:8.2f} {headroom:>8s} {tps or 0:12,.0f} "
+            f"{ratio:>6s} {mfu:>6s} "
+            f"{row.get('lf_effective_tokens_per_s_incl_warmup') or 0:12,.0f}"
+        )
 
 
 def main() -> None:
@@ -225,8 +308,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of 64 rows per lfa run")
     parser.add_argument("--seed-steps", type=int, default=10, help="steps of 16 rows for the seed fix")
     parser.add_argument("--only", default="")
-    parser.add_argument("--model-dir", default="model",
-                        help="model folder under ASSETS_DIR for lfa's plans (model_6.7b: built by make_assets.py 6.7b)")
+    parser.add_argument(
+        "--model-dir",
+        default="model",
+        help="model folder under ASSETS_DIR for lfa's plans (model_6.7b: built by make_assets.py 6.7b)",
+    )
     args = parser.parse_args()
     work = args.assets / "seed"
     shutil.rmtree(work, ignore_errors=True)
@@ -251,8 +337,9 @@ def main() -> None:
             env = capped_env if GENERATED[name][3] else base_env
             key = name + suffix
             table[key] = run_generated(name, work, args.assets, args.out, env, spec, args.steps, args.model_dir)
-        print(f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}",
-              flush=True)
+        print(
+            f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}", flush=True
+        )
         results_file.write_text(json.dumps(table, indent=1, default=str))
     print_table(table)
 

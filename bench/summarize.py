@@ -2,9 +2,11 @@
 plans, and whether every default plan is exact (no packing). Writes bench/results/summary.json.
 
 usage: python bench/summarize.py [RUN]   (a results folder holding seed_scenario.json, or one run's JSON such as
-results/h200_session9/runD.json; default: the newest bench/results/h200_session*/seed_scenario.json); ratios are only ever taken between rows of that one run. Figures a run did not measure are
-null, never borrowed from another run.
+results/h200_session9/runD.json; default: the newest bench/results/h200_session*/seed_scenario.json); ratios are
+only ever taken between rows of that one run. Figures a run did not measure are null, never borrowed from another
+run.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +25,9 @@ def newest_run() -> Path:
     runs += [p.parent for p in RESULTS.glob("h200_session*/**/seed_scenario.json")]
     if not runs:
         raise SystemExit("no bench/results/h200_session*/seed_scenario.json: run bench/device_run.sh seed first")
-    return max(runs, key=lambda p: (int(p.name.split("session")[-1]) if p.name.split("session")[-1].isdigit()
-                                    else -1, str(p)))
+    return max(
+        runs, key=lambda p: (int(p.name.split("session")[-1]) if p.name.split("session")[-1].isdigit() else -1, str(p))
+    )
 
 
 def _first(rows: dict, labels: tuple[str, ...]) -> dict | None:
@@ -42,12 +45,14 @@ def summarize(run: Path) -> dict:
             return round(row["steady_tokens_per_s"] / seed["steady_tokens_per_s"], 2)
         return None
 
-    return {"capped_x_seed_fix": x_seed(capped),
-            "capped_padfree_x_seed_fix": x_seed(rows.get("capped_padfree")),  # --pin padding_free=true
-            "h200_1.3b_mfu": h13.get("mfu") if h13 else None,
-            "h200_6.7b_mfu": h67.get("mfu") if h67 else None,
-            "default_plans_exact": bool(defaults) and all("packing" not in str(r.get("plan", "")) for r in defaults),
-            "run": str(run.relative_to(RESULTS.parent.parent))}
+    return {
+        "capped_x_seed_fix": x_seed(capped),
+        "capped_padfree_x_seed_fix": x_seed(rows.get("capped_padfree")),  # --pin padding_free=true
+        "h200_1.3b_mfu": h13.get("mfu") if h13 else None,
+        "h200_6.7b_mfu": h67.get("mfu") if h67 else None,
+        "default_plans_exact": bool(defaults) and all("packing" not in str(r.get("plan", "")) for r in defaults),
+        "run": str(run.relative_to(RESULTS.parent.parent)),
+    }
 
 
 def main() -> None:

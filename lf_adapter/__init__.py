@@ -1,4 +1,5 @@
 """lf_adapter (lfa): fit a paper's LLaMA-Factory full-SFT recipe to the hardware you have."""
+
 from pathlib import Path
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """Dataset checks and length profile for alpaca-style jsonl (read once, before a GPU is ever touched)."""
+
 from __future__ import annotations
 
 import json
@@ -31,15 +32,19 @@ class DatasetProfile:
         return math.ceil(math.ceil(self.rows / effective_batch) * epochs)
 
     def report(self, cutoff_len: int, effective_batch: int | None = None, epochs: float | None = None) -> str:
-        lines = [f"dataset {self.path}: {self.rows:,} rows, tokens counted with {self.counted_with}",
-                 f"  tokens per row: p50 {self.p50_tokens:,}, p90 {self.p90_tokens:,}, max {self.max_tokens:,}; "
-                 f"{self.truncated_rows:,} rows ({self.truncated_fraction:.1%}) longer than cutoff_len {cutoff_len} "
-                 "are truncated",
-                 f"  {self.total_tokens:,} tokens per epoch after truncation; mean row {self.mean_seq_fraction:.0%} "
-                 "of cutoff_len"]
+        lines = [
+            f"dataset {self.path}: {self.rows:,} rows, tokens counted with {self.counted_with}",
+            f"  tokens per row: p50 {self.p50_tokens:,}, p90 {self.p90_tokens:,}, max {self.max_tokens:,}; "
+            f"{self.truncated_rows:,} rows ({self.truncated_fraction:.1%}) longer than cutoff_len {cutoff_len} "
+            "are truncated",
+            f"  {self.total_tokens:,} tokens per epoch after truncation; mean row {self.mean_seq_fraction:.0%} "
+            "of cutoff_len",
+        ]
         if effective_batch and epochs:
-            lines.append(f"  {self.steps(effective_batch, epochs):,} optimizer steps for {epochs:g} epoch(s) at "
-                         f"effective batch {effective_batch}")
+            lines.append(
+                f"  {self.steps(effective_batch, epochs):,} optimizer steps for {epochs:g} epoch(s) at "
+                f"effective batch {effective_batch}"
+            )
         return "\n".join(lines)
 
 
@@ -54,8 +59,9 @@ def _read_rows(file: Path, columns: dict) -> list[dict]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"{file}:{number}: not a JSON object ({exc.msg}); expected one alpaca row per "
-                                    "line") from None
+                    raise UserError(
+                        f"{file}:{number}: not a JSON object ({exc.msg}); expected one alpaca row per line"
+                    ) from None
                 if not isinstance(row, dict) or any(col not in row for col in needed):
                     raise UserError(f"{file}:{number}: row lacks the columns {needed} that dataset_info maps")
                 rows.append(row)
@@ -98,8 +104,10 @@ def dataset_problems(file: Path, columns: dict, limit: int = 10) -> list[str]:
                     problems.append(f"{file}:{number}: no '{response}' (LLaMA-Factory would drop the row)")
                     continue
                 if not any(isinstance(row.get(c), str) and row[c] for c in prompt_parts):
-                    problems.append(f"{file}:{number}: neither '{prompt_parts[0]}' nor '{prompt_parts[1]}' has text "
-                                    "(LLaMA-Factory would drop the row)")
+                    problems.append(
+                        f"{file}:{number}: neither '{prompt_parts[0]}' nor '{prompt_parts[1]}' has text "
+                        "(LLaMA-Factory would drop the row)"
+                    )
                     continue
                 rows += 1
     except OSError as exc:
@@ -113,7 +121,9 @@ def local_tokenizer(model: str | None):
     """The model's tokenizer when its files are local (never downloads), else None."""
     if not model or not Path(model).is_dir():
         return None
-    if not any((Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     try:
         from transformers import AutoTokenizer
@@ -145,8 +155,16 @@ def profile_dataset(path: str, columns: dict, cutoff_len: int, model: str | None
     ordered = sorted(tokens)
     clipped = [min(t, cutoff_len) for t in tokens]
     truncated = sum(t > cutoff_len for t in tokens)
-    return DatasetProfile(path=str(file), rows=len(rows), mean_chars=sum(chars) / len(chars),
-                          truncated_fraction=truncated / len(tokens),
-                          mean_seq_fraction=sum(clipped) / len(clipped) / cutoff_len, counted_with=counted,
-                          p50_tokens=ordered[len(ordered) // 2], p90_tokens=ordered[int(len(ordered) * 0.9)],
-                          max_tokens=ordered[-1], truncated_rows=truncated, total_tokens=sum(clipped))
+    return DatasetProfile(
+        path=str(file),
+        rows=len(rows),
+        mean_chars=sum(chars) / len(chars),
+        truncated_fraction=truncated / len(tokens),
+        mean_seq_fraction=sum(clipped) / len(clipped) / cutoff_len,
+        counted_with=counted,
+        p50_tokens=ordered[len(ordered) // 2],
+        p90_tokens=ordered[int(len(ordered) * 0.9)],
+        max_tokens=ordered[-1],
+        truncated_rows=truncated,
+        total_tokens=sum(clipped),
+    )

@@ -3,6 +3,7 @@
 The data are IDA-Hex-Rays-like pseudo-C paired with the original C skeleton whose identifiers are placeholders
 (func1, var1, type1, field1), generated from one random program so both sides describe the same function.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,27 +36,42 @@ def _function(rng: random.Random) -> tuple[str, str]:
         field_index = rng.randrange(len(fields))
         tag, _ = _WIDTH[fields[field_index]]
         if kind < 0.3:
-            return ([f"{indent}v{local} = *({tag} *)(a1 + {offsets[field_index]});"],
-                    [f"{indent}var{local} = var1->field{field_index + 1};"])
+            return (
+                [f"{indent}v{local} = *({tag} *)(a1 + {offsets[field_index]});"],
+                [f"{indent}var{local} = var1->field{field_index + 1};"],
+            )
         if kind < 0.5:
             address = rng.randint(0x401000, 0x40FFFF)
             name = callees.setdefault(address, f"func{len(callees) + 2}")
             const = rng.randint(0, 64)
-            return ([f"{indent}v{local} = sub_{address:X}(v{local}, {const}LL);"],
-                    [f"{indent}var{local} = {name}(var{local}, {const});"])
+            return (
+                [f"{indent}v{local} = sub_{address:X}(v{local}, {const}LL);"],
+                [f"{indent}var{local} = {name}(var{local}, {const});"],
+            )
         if kind < 0.65:
-            return ([f"{indent}*({tag} *)(a1 + {offsets[field_index]}) = v{local};"],
-                    [f"{indent}var1->field{field_index + 1} = var{local};"])
+            return (
+                [f"{indent}*({tag} *)(a1 + {offsets[field_index]}) = v{local};"],
+                [f"{indent}var1->field{field_index + 1} = var{local};"],
+            )
         if kind < 0.85 and depth < 2:
             limit = rng.randint(0, 99)
             body = [stmt(depth + 1, indent + "  ") for _ in range(rng.randint(1, 3))]
-            return ([f"{indent}if ( v{local} > {limit} )", f"{indent}{{"] + [l for b in body for l in b[0]] + [f"{indent}}}"],
-                    [f"{indent}if (var{local} > {limit}) {{"] + [l for b in body for l in b[1]] + [f"{indent}}}"])
+            return (
+                [f"{indent}if ( v{local} > {limit} )", f"{indent}{{"]
+                + [line for b in body for line in b[0]]
+                + [f"{indent}}}"],
+                [f"{indent}if (var{local} > {limit}) {{"] + [line for b in body for line in b[1]] + [f"{indent}}}"],
+            )
         if depth < 2:
             body = [stmt(depth + 1, indent + "  ") for _ in range(rng.randint(1, 3))]
-            return ([f"{indent}for ( i = 0; i < a2; ++i )", f"{indent}{{"] + [l for b in body for l in b[0]] + [f"{indent}}}"],
-                    [f"{indent}for (var{n_locals + 3} = 0; var{n_locals + 3} < var2; ++var{n_locals + 3}) {{"]
-                    + [l for b in body for l in b[1]] + [f"{indent}}}"])
+            return (
+                [f"{indent}for ( i = 0; i < a2; ++i )", f"{indent}{{"]
+                + [line for b in body for line in b[0]]
+                + [f"{indent}}}"],
+                [f"{indent}for (var{n_locals + 3} = 0; var{n_locals + 3} < var2; ++var{n_locals + 3}) {{"]
+                + [line for b in body for line in b[1]]
+                + [f"{indent}}}"],
+            )
         return [f"{indent}++v{local};"], [f"{indent}var{local}++;"]
 
     for _ in range(rng.randint(3, 9)):
@@ -85,8 +101,9 @@ def write_dataset(path: Path, count: int = 256, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_model(out_dir: Path, corpus_rows: list[dict], vocab_size: int = 600, hidden: int = 64,
-                     layers: int = 2, heads: int = 4) -> Path:
+def build_tiny_model(
+    out_dir: Path, corpus_rows: list[dict], vocab_size: int = 600, hidden: int = 64, layers: int = 2, heads: int = 4
+) -> Path:
     """A random-weight LlamaForCausalLM (DeepSeek-Coder architecture) with a BPE tokenizer trained on the rows."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -96,17 +113,28 @@ def build_tiny_model(out_dir: Path, corpus_rows: list[dict], vocab_size: int = 6
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator([r["input"] + r["output"] for r in corpus_rows], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.model_max_length = 4096
     fast.save_pretrained(out_dir)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2 + hidden // 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=4096, rope_theta=100000.0, bos_token_id=fast.bos_token_id,
-                         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2 + hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=4096,
+        rope_theta=100000.0,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(out_dir)
     return out_dir
 

@@ -1,4 +1,5 @@
 """Stage 1: what machine is this? Detect GPUs/CPU/disk/software, or load a named or saved profile."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,13 +18,33 @@ from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
 # Dense 16-bit tensor-core peak (TFLOP/s) by GPU name fragment; used when detecting a real card.
-_PEAK_TFLOPS = [("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("A100", 312.0, 2.0), ("A40", 149.7, 0.696),
-                ("A6000", 154.8, 0.768), ("L40", 181.0, 0.864), ("A10", 125.0, 0.6), ("V100", 125.0, 0.9),
-                ("T4", 65.0, 0.32), ("4090", 165.2, 1.0), ("3090", 71.0, 0.936)]
+_PEAK_TFLOPS = [
+    ("H200", 989.0, 4.8),
+    ("H100", 989.0, 3.35),
+    ("A100", 312.0, 2.0),
+    ("A40", 149.7, 0.696),
+    ("A6000", 154.8, 0.768),
+    ("L40", 181.0, 0.864),
+    ("A10", 125.0, 0.6),
+    ("V100", 125.0, 0.9),
+    ("T4", 65.0, 0.32),
+    ("4090", 165.2, 1.0),
+    ("3090", 71.0, 0.936),
+]
 
 CUDA_CONTEXT_GIB = 0.55
-SOFTWARE = ["llamafactory", "transformers", "torch", "deepspeed", "liger-kernel", "flash-attn",
-            "peft", "trl", "accelerate", "datasets"]
+SOFTWARE = [
+    "llamafactory",
+    "transformers",
+    "torch",
+    "deepspeed",
+    "liger-kernel",
+    "flash-attn",
+    "peft",
+    "trl",
+    "accelerate",
+    "datasets",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,7 @@ class GPUSpec:
 @dataclass(frozen=True)
 class DiskSpec:
     """A local disk that DeepSpeed can swap model states to (NVMe offload)."""
+
     path: str  # the folder the swap files go under (nvme_path); must exist where training runs
     free_gib: float
     read_gbs: float = 0.0  # sequential O_DIRECT read, GB/s; 0: unknown
@@ -100,16 +122,21 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile {source} is not a mapping of keys")
     gpu, disk = data.get("gpu"), data.get("disk")
-    raise_problems(unknown_keys(data, [f.name for f in dataclasses.fields(HardwareProfile)]) +
-                   (unknown_keys(gpu, [f.name for f in dataclasses.fields(GPUSpec)], "gpu.")
-                    if isinstance(gpu, dict) else []) +
-                   (unknown_keys(disk, [f.name for f in dataclasses.fields(DiskSpec)], "disk.")
-                    if isinstance(disk, dict) else []), f"hardware profile {source}")
+    raise_problems(
+        unknown_keys(data, [f.name for f in dataclasses.fields(HardwareProfile)])
+        + (unknown_keys(gpu, [f.name for f in dataclasses.fields(GPUSpec)], "gpu.") if isinstance(gpu, dict) else [])
+        + (
+            unknown_keys(disk, [f.name for f in dataclasses.fields(DiskSpec)], "disk.")
+            if isinstance(disk, dict)
+            else []
+        ),
+        f"hardware profile {source}",
+    )
     try:
         gpu_spec = GPUSpec(**gpu) if gpu else None
         disk_spec = _disk_from_dict(disk) if disk else None
         if gpu_spec is not None:
-            gpu_spec.cc  # validates "X.Y"
+            _ = gpu_spec.cc  # validates "X.Y"
         return HardwareProfile(
             name=str(data.get("name", Path(source).stem)),
             nodes=int(data.get("nodes", 1)),
@@ -133,9 +160,14 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
 def _disk_from_dict(disk: dict) -> DiskSpec:
     if not isinstance(disk, dict) or "path" not in disk or "free_gib" not in disk:
         raise ValueError("disk needs at least path and free_gib")
-    spec = DiskSpec(path=str(disk["path"]), free_gib=float(disk["free_gib"]),
-                    read_gbs=float(disk.get("read_gbs", 0.0)), write_gbs=float(disk.get("write_gbs", 0.0)),
-                    rotational=bool(disk.get("rotational", False)), source=str(disk.get("source", "")))
+    spec = DiskSpec(
+        path=str(disk["path"]),
+        free_gib=float(disk["free_gib"]),
+        read_gbs=float(disk.get("read_gbs", 0.0)),
+        write_gbs=float(disk.get("write_gbs", 0.0)),
+        rotational=bool(disk.get("rotational", False)),
+        source=str(disk.get("source", "")),
+    )
     if min(spec.free_gib, spec.read_gbs, spec.write_gbs) < 0:
         raise ValueError("disk figures must not be negative")
     return spec
@@ -173,8 +205,15 @@ class DetectReport:
     disks: list[dict] = field(default_factory=list)  # LocalDisk records: every writable local disk
 
     def to_dict(self) -> dict:
-        return {"profile": self.profile.to_dict(), "gpus": self.gpus, "disk_free_gib": self.disk_free_gib,
-                "disks": self.disks, "software": self.software, "hub": self.hub, "notes": self.notes}
+        return {
+            "profile": self.profile.to_dict(),
+            "gpus": self.gpus,
+            "disk_free_gib": self.disk_free_gib,
+            "disks": self.disks,
+            "software": self.software,
+            "hub": self.hub,
+            "notes": self.notes,
+        }
 
 
 def _nvml_gpus() -> tuple[list[dict], str | None]:
@@ -200,9 +239,18 @@ def _nvml_gpus() -> tuple[list[dict], str | None]:
                     links += int(pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
                 except Exception:
                     break
-            gpus.append({"index": index, "name": name, "total_gib": round(mem.total / 2**30, 2),
-                         "free_gib": round(mem.free / 2**30, 2), "compute_capability": f"{major}.{minor}",
-                         "bf16": (major, minor) >= (8, 0), "fp16": (major, minor) >= (5, 3), "nvlink_links": links})
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name,
+                    "total_gib": round(mem.total / 2**30, 2),
+                    "free_gib": round(mem.free / 2**30, 2),
+                    "compute_capability": f"{major}.{minor}",
+                    "bf16": (major, minor) >= (8, 0),
+                    "fp16": (major, minor) >= (5, 3),
+                    "nvlink_links": links,
+                }
+            )
     finally:
         pynvml.nvmlShutdown()
     return gpus, None
@@ -244,8 +292,10 @@ def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[
     problems = []
     numpy, pyarrow = parsed("numpy"), parsed("pyarrow")
     if numpy and pyarrow and numpy.major < 2 and pyarrow.major >= 21:
-        problems.append(f"numpy {numpy} with pyarrow {pyarrow}: pyarrow 21+ is built for numpy 2, so `datasets` (and "
-                        "LLaMA-Factory's data loading) fails to import; fix: pip install 'pyarrow<21'")
+        problems.append(
+            f"numpy {numpy} with pyarrow {pyarrow}: pyarrow 21+ is built for numpy 2, so `datasets` (and "
+            "LLaMA-Factory's data loading) fails to import; fix: pip install 'pyarrow<21'"
+        )
     lf = versions.get("llamafactory")
     for line in llamafactory_requires:
         try:
@@ -255,11 +305,16 @@ def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[
         if requirement.marker is not None and "extra" in str(requirement.marker):
             continue
         installed = parsed(requirement.name) if requirement.name in LF_RANGED else None
-        if installed is not None and requirement.specifier and \
-                not requirement.specifier.contains(installed, prereleases=True):
-            problems.append(f"{requirement.name} {installed} is outside LLaMA-Factory {lf}'s range "
-                            f"({requirement.specifier}): untested pairs break in training; fix: "
-                            f"pip install '{requirement.name}{requirement.specifier}'")
+        if (
+            installed is not None
+            and requirement.specifier
+            and not requirement.specifier.contains(installed, prereleases=True)
+        ):
+            problems.append(
+                f"{requirement.name} {installed} is outside LLaMA-Factory {lf}'s range "
+                f"({requirement.specifier}): untested pairs break in training; fix: "
+                f"pip install '{requirement.name}{requirement.specifier}'"
+            )
     return problems
 
 
@@ -274,8 +329,12 @@ def installed_stack_problems() -> list[str]:
 
 def hub_status(check_network: bool = True, timeout_s: float = 2.0) -> dict:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    status = {"HF_ENDPOINT": os.environ.get("HF_ENDPOINT"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE"),
-              "endpoint": endpoint, "reachable": None}
+    status = {
+        "HF_ENDPOINT": os.environ.get("HF_ENDPOINT"),
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE"),
+        "endpoint": endpoint,
+        "reachable": None,
+    }
     if check_network:
         url = urllib.parse.urlparse(endpoint)
         port = url.port or (443 if url.scheme == "https" else 80)
@@ -295,14 +354,46 @@ def gpu_spec_from_nvml(info: dict) -> GPUSpec:
             peak, hbm = tflops, tbps
             break
     # usable = total minus the CUDA context every process pays outside PyTorch's allocator
-    return GPUSpec(name=info["name"], vram_gib=round(info["total_gib"] - CUDA_CONTEXT_GIB, 2), compute_capability=info["compute_capability"],
-                   peak_tflops_16bit=peak, hbm_tbps=hbm)
+    return GPUSpec(
+        name=info["name"],
+        vram_gib=round(info["total_gib"] - CUDA_CONTEXT_GIB, 2),
+        compute_capability=info["compute_capability"],
+        peak_tflops_16bit=peak,
+        hbm_tbps=hbm,
+    )
 
 
 # file systems that are not a local disk (memory, network, containers' layers)
-NOT_A_DISK = {"tmpfs", "devtmpfs", "ramfs", "overlay", "squashfs", "proc", "sysfs", "cgroup", "cgroup2", "nfs",
-              "nfs4", "cifs", "smbfs", "fuse.sshfs", "autofs", "devpts", "mqueue", "debugfs", "tracefs", "securityfs",
-              "pstore", "bpf", "configfs", "fusectl", "hugetlbfs", "binfmt_misc", "efivarfs", "nsfs"}
+NOT_A_DISK = {
+    "tmpfs",
+    "devtmpfs",
+    "ramfs",
+    "overlay",
+    "squashfs",
+    "proc",
+    "sysfs",
+    "cgroup",
+    "cgroup2",
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smbfs",
+    "fuse.sshfs",
+    "autofs",
+    "devpts",
+    "mqueue",
+    "debugfs",
+    "tracefs",
+    "securityfs",
+    "pstore",
+    "bpf",
+    "configfs",
+    "fusectl",
+    "hugetlbfs",
+    "binfmt_misc",
+    "efivarfs",
+    "nsfs",
+}
 
 
 @dataclass(frozen=True)
@@ -422,22 +513,33 @@ def choose_swap_disk(disks: list[LocalDisk], measure: bool) -> tuple[DiskSpec | 
     candidates = [d for d in disks if d.rotational is not True] or (disks if measure else [])
     if not candidates:
         if disks:
-            notes.append("the kernel calls every local disk rotational: lfa plans no NVMe offload to them "
-                         "(virtual disks often say so; `lfa detect --measure-disk` measures them)")
+            notes.append(
+                "the kernel calls every local disk rotational: lfa plans no NVMe offload to them "
+                "(virtual disks often say so; `lfa detect --measure-disk` measures them)"
+            )
         return None, notes
     best = candidates[0]
     folder = swap_folder_for(best)
     if not measure:
-        return DiskSpec(path=folder, free_gib=best.free_gib, source=f"lfa detect: {best.device} ({best.fstype}); "
-                        "rates not measured (lfa detect --measure-disk)"), notes
+        return DiskSpec(
+            path=folder,
+            free_gib=best.free_gib,
+            source=f"lfa detect: {best.device} ({best.fstype}); rates not measured (lfa detect --measure-disk)",
+        ), notes
     write, read = measure_disk(folder)
     if best.rotational and min(read, write) < FAST_DISK_GBS:
-        notes.append(f"{best.device} is rotational and measured {write:.2f} GB/s write, {read:.2f} GB/s read: "
-                     "lfa plans no NVMe offload to it")
+        notes.append(
+            f"{best.device} is rotational and measured {write:.2f} GB/s write, {read:.2f} GB/s read: "
+            "lfa plans no NVMe offload to it"
+        )
         return None, notes
-    return DiskSpec(path=folder, free_gib=best.free_gib, read_gbs=round(read, 2), write_gbs=round(write, 2),
-                    source=f"measured by lfa detect --measure-disk in {folder} ({best.device}, 1 GiB, O_DIRECT, "
-                           "1 MiB blocks)"), notes
+    return DiskSpec(
+        path=folder,
+        free_gib=best.free_gib,
+        read_gbs=round(read, 2),
+        write_gbs=round(write, 2),
+        source=f"measured by lfa detect --measure-disk in {folder} ({best.device}, 1 GiB, O_DIRECT, 1 MiB blocks)",
+    ), notes
 
 
 def detect(check_network: bool = True, disk_path: str = ".", measure: bool = False) -> DetectReport:
@@ -449,14 +551,27 @@ def detect(check_network: bool = True, disk_path: str = ".", measure: bool = Fal
             notes.append(f"mixed GPU models {sorted(names)}: planning for the smallest")
         smallest = min(gpus, key=lambda g: g["total_gib"])
         nvlink = all(g["nvlink_links"] > 0 for g in gpus) and len(gpus) > 1
-        profile = HardwareProfile(name="detected", nodes=1, gpus_per_node=len(gpus), gpu=gpu_spec_from_nvml(smallest),
-                                  interconnect="nvlink" if nvlink else ("pcie" if len(gpus) > 1 else "none"),
-                                  cpu_cores=os.cpu_count() or 1, ram_gib=round(_ram_gib(), 1),
-                                  description=f"{len(gpus)}x {smallest['name']}")
+        profile = HardwareProfile(
+            name="detected",
+            nodes=1,
+            gpus_per_node=len(gpus),
+            gpu=gpu_spec_from_nvml(smallest),
+            interconnect="nvlink" if nvlink else ("pcie" if len(gpus) > 1 else "none"),
+            cpu_cores=os.cpu_count() or 1,
+            ram_gib=round(_ram_gib(), 1),
+            description=f"{len(gpus)}x {smallest['name']}",
+        )
     else:
         notes.append("no GPU found: reporting the CPU; recipes will train in fp32 on the CPU")
-        profile = HardwareProfile(name="detected", nodes=1, gpus_per_node=0, gpu=None, cpu_cores=os.cpu_count() or 1,
-                                  ram_gib=round(_ram_gib(), 1), description="CPU only")
+        profile = HardwareProfile(
+            name="detected",
+            nodes=1,
+            gpus_per_node=0,
+            gpu=None,
+            cpu_cores=os.cpu_count() or 1,
+            ram_gib=round(_ram_gib(), 1),
+            description="CPU only",
+        )
     try:
         disk_free = shutil.disk_usage(disk_path).free / 2**30
     except OSError:
@@ -467,9 +582,15 @@ def detect(check_network: bool = True, disk_path: str = ".", measure: bool = Fal
     notes += disk_notes
     if disk is not None:
         profile = dataclasses.replace(profile, disk=disk)
-    return DetectReport(profile=profile, gpus=gpus, disk_free_gib=round(disk_free, 1), software=installed_versions(),
-                        hub=hub_status(check_network), notes=notes,
-                        disks=[dataclasses.asdict(d) for d in disks])
+    return DetectReport(
+        profile=profile,
+        gpus=gpus,
+        disk_free_gib=round(disk_free, 1),
+        software=installed_versions(),
+        hub=hub_status(check_network),
+        notes=notes,
+        disks=[dataclasses.asdict(d) for d in disks],
+    )
 
 
 def save_profile(profile: HardwareProfile, path: Path) -> None:

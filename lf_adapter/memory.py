@@ -1,4 +1,5 @@
 """Stage 4: per-GPU memory of a full-SFT plan, as a breakdown, sized for the longest sequence (cutoff_len)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,10 +48,15 @@ class MemoryBreakdown:
         return None if self.budget_gib is None else 1.0 - self.reserved_gib / self.budget_gib
 
     def to_dict(self) -> dict:
-        return {"items_gib": {k: round(v, 3) for k, v in self.items.items()},
-                "allocated_gib": round(self.allocated_gib, 3), "reserved_gib": round(self.reserved_gib, 3),
-                "cpu_offload_gib": round(self.cpu_offload_gib, 3), "budget_gib": self.budget_gib,
-                "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3), "fits": self.fits}
+        return {
+            "items_gib": {k: round(v, 3) for k, v in self.items.items()},
+            "allocated_gib": round(self.allocated_gib, 3),
+            "reserved_gib": round(self.reserved_gib, 3),
+            "cpu_offload_gib": round(self.cpu_offload_gib, 3),
+            "budget_gib": self.budget_gib,
+            "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3),
+            "fits": self.fits,
+        }
 
 
 BNB_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize each state in blocks of 256 with one fp32 scale
@@ -83,9 +89,11 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
         # active block an fp32 copy, fp32 gradients and Adam moments, and only that block has gradients of its own
         # (the block's fp32 gradients exist only inside the optimizer step, after the activations are freed)
         block, stored = badam_block_params(model), checkpoint_bytes(model)
-        return {f"weights ({model.torch_dtype or '16-bit'} as loaded, BAdam: no fp32 upcast)": stored * p,
-                "active block (one layer): fp32 copy + Adam m, v": 12.0 * block,
-                "active block: gradients in the model's dtype": stored * block}
+        return {
+            f"weights ({model.torch_dtype or '16-bit'} as loaded, BAdam: no fp32 upcast)": stored * p,
+            "active block (one layer): fp32 copy + Adam m, v": 12.0 * block,
+            "active block: gradients in the model's dtype": stored * block,
+        }
     # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
     states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
     if plan.optimizer == Optimizer.ADAMW_8BIT:
@@ -106,9 +114,12 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
         # moments; the current and the prefetched layer are gathered in the 16-bit compute dtype. By construction
         # from FSDP2's design, not measured yet (bench/README.md)
         gathered = 2.0 if plan.precision in ("bf16", "fp16") else 4.0
-        return {"weights (fp32, sharded)": 4.0 * p / n, "gradients (fp32, sharded)": 4.0 * p / n,
-                "optimizer (Adam m, v fp32, sharded)": 8.0 * p / n,
-                "fsdp2 gathered layer params": gathered * 2 * model.params_per_layer}, 0.0
+        return {
+            "weights (fp32, sharded)": 4.0 * p / n,
+            "gradients (fp32, sharded)": 4.0 * p / n,
+            "optimizer (Adam m, v fp32, sharded)": 8.0 * p / n,
+            "fsdp2 gathered layer params": gathered * 2 * model.params_per_layer,
+        }, 0.0
     if plan.deepspeed is None:
         return _single_process_states(model, plan), 0.0
     # DeepSpeed keeps 16-bit weights and an fp32 master copy inside its optimizer, partitioned by stage.
@@ -118,7 +129,7 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
         # ZeRO-3 with optimizer offload reduces gradients through GPU buckets (reduce_bucket_size: hidden^2 under
         # LLaMA-Factory's "auto") straight into a host buffer (stage3.py grad_partitions_flat_buffer on the CPU);
         # matches the offload-all runs: 6.7B width 42.6 vs 44.3 GiB measured, 1.3B 83.3 vs 85.1 (bench/README.md)
-        grads = 2.0 * 2 * model.hidden_size ** 2
+        grads = 2.0 * 2 * model.hidden_size**2
     optimizer = 12.0 * p / n  # fp32 master + m + v (every ZeRO stage shards them)
     offloaded = 0.0
     if plan.offloads_optimizer:
@@ -127,11 +138,12 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
     if plan.offloads_parameters:
         offloaded += weights
         weights = 0.0
-    grads_name = ("gradients (16-bit reduce buckets; partitions go to the host)"
-                  if plan.shards_parameters and plan.offloads_optimizer else
-                  "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")"))
-    states = {"weights (16-bit)": weights, grads_name: grads,
-              "optimizer (fp32 master + Adam, partitioned)": optimizer}
+    grads_name = (
+        "gradients (16-bit reduce buckets; partitions go to the host)"
+        if plan.shards_parameters and plan.offloads_optimizer
+        else "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")")
+    )
+    states = {"weights (16-bit)": weights, grads_name: grads, "optimizer (fp32 master + Adam, partitioned)": optimizer}
     if plan.shards_parameters:
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
     if n > 1:
@@ -146,8 +158,9 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     h, L = model.hidden_size, model.num_layers
     # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
     # (FSDP2's mixed precision also computes with 16-bit parameters)
-    sixteen_bit_model = (plan.deepspeed is not None or plan.sharding == Sharding.FSDP2
-                         or plan.optimizer == Optimizer.BADAM)
+    sixteen_bit_model = (
+        plan.deepspeed is not None or plan.sharding == Sharding.FSDP2 or plan.optimizer == Optimizer.BADAM
+    )
     per_layer = act[("deepspeed_" if sixteen_bit_model else "") + ("liger" if plan.liger else "eager")]
     per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
     if plan.precision == "fp32":
@@ -158,28 +171,42 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     if plan.optimizer == Optimizer.BADAM:
         graph_layers = badam_graph_layers(model, plan)
         frozen = act["badam_frozen_layer_fraction"]  # a frozen linear does not keep its input for the backward
-        items = {f"activations ({graph_layers} of {L} layers not checkpointed: BAdam, LLaMA-Factory checkpoints "
-                 "only the trainable layer)": frozen * per_token_layer * graph_layers * tokens,
-                 "checkpointed input of the active layer": tokens * act["checkpoint_bytes_per_hidden"] * h
-                 if plan.gradient_checkpointing else 0.0,
-                 "logits + loss": logits}
+        items = {
+            f"activations ({graph_layers} of {L} layers not checkpointed: BAdam, LLaMA-Factory checkpoints "
+            "only the trainable layer)": frozen * per_token_layer * graph_layers * tokens,
+            "checkpointed input of the active layer": tokens * act["checkpoint_bytes_per_hidden"] * h
+            if plan.gradient_checkpointing
+            else 0.0,
+            "logits + loss": logits,
+        }
         if plan.precision in ("bf16", "fp16") and model.torch_dtype != TORCH_DTYPES[plan.precision]:
             # autocast casts each weight to the compute dtype and the backward keeps those copies for every
             # layer in the graph (a bf16 checkpoint under fp16, or a checkpoint whose dtype is not known)
-            items[f"autocast {plan.precision} weight copies of those layers (checkpoint is "
-                  f"{model.torch_dtype or 'of unknown dtype'})"] = 2.0 * model.params_per_layer * graph_layers
+            items[
+                f"autocast {plan.precision} weight copies of those layers (checkpoint is "
+                f"{model.torch_dtype or 'of unknown dtype'})"
+            ] = 2.0 * model.params_per_layer * graph_layers
         return items
     if plan.gradient_checkpointing:
         factor = act["accumulation_factor"] if plan.grad_accum > 1 else 1.0
         stored = factor * tokens * (act["checkpoint_bytes_per_hidden"] * L * h)
-        loss = tokens * model.vocab_size * (act["checkpoint_bytes_per_vocab"] * factor if plan.liger
-                                            else c["logits"]["bytes_per_element"])
+        loss = (
+            tokens
+            * model.vocab_size
+            * (act["checkpoint_bytes_per_vocab"] * factor if plan.liger else c["logits"]["bytes_per_element"])
+        )
         return {"activations (checkpointed layer inputs)": stored, "logits + loss": loss}
     return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 
 
-def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
-             headroom: float = DEFAULT_HEADROOM, activation_scale: float = 1.0) -> MemoryBreakdown:
+def estimate(
+    model: ModelSpec,
+    plan: Plan,
+    seq_len: int,
+    vram_gib: float | None,
+    headroom: float = DEFAULT_HEADROOM,
+    activation_scale: float = 1.0,
+) -> MemoryBreakdown:
     """Peak per-GPU memory in GiB. vram_gib is the card's usable memory (None on CPU). activation_scale > 1
     corrects the activation and logits terms (the least certain ones) after an OOM showed them larger."""
     c = coefficients()["allocator"]
@@ -200,13 +227,15 @@ def estimate(model: ModelSpec, plan: Plan, seq_len: int, vram_gib: float | None,
         logits_fp32 = 0.0 if plan.liger else 4.0 * plan.micro_batch_size * seq_len * model.vocab_size / GIB
         reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * logits_fp32
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
-    return MemoryBreakdown(items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB,
-                           budget_gib=budget, headroom=headroom)
+    return MemoryBreakdown(
+        items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB, budget_gib=budget, headroom=headroom
+    )
 
 
 @dataclass
 class HostMemory:
     """Host RAM one node needs at its peak, summed over the training processes on it."""
+
     items: dict[str, float] = field(default_factory=dict)  # GiB per node at the peak phase
     phase: str = "training"  # loading | training: which phase peaks
     ram_gib: float | None = None  # the node's RAM (None: unknown)
@@ -225,9 +254,14 @@ class HostMemory:
         return self.limit_gib is None or self.total_gib <= self.limit_gib
 
     def to_dict(self) -> dict:
-        return {"items_gib": {k: round(v, 2) for k, v in self.items.items()}, "total_gib": round(self.total_gib, 2),
-                "phase": self.phase, "ram_gib": self.ram_gib,
-                "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 2), "fits": self.fits}
+        return {
+            "items_gib": {k: round(v, 2) for k, v in self.items.items()},
+            "total_gib": round(self.total_gib, 2),
+            "phase": self.phase,
+            "ram_gib": self.ram_gib,
+            "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 2),
+            "fits": self.fits,
+        }
 
 
 def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib: float | None = None) -> HostMemory:
@@ -237,10 +271,14 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
     c = coefficients()["host"]
     ranks = max(1, plan.world_size // max(1, plan.nodes))
     partition = model.num_params / plan.world_size
-    runtime = {"launcher (lfa, llamafactory-cli, torchrun)": c["launcher_gib_per_node"],
-               "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks}
+    runtime = {
+        "launcher (lfa, llamafactory-cli, torchrun)": c["launcher_gib_per_node"],
+        "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks,
+    }
     loading = dict(runtime)
-    if plan.sharding == Sharding.FSDP2 and not plan.on_cpu:  # cpu_ram_efficient_loading: rank 0 reads, the others receive
+    if (
+        plan.sharding == Sharding.FSDP2 and not plan.on_cpu
+    ):  # cpu_ram_efficient_loading: rank 0 reads, the others receive
         loading["model load (rank 0)"] = c["load_bytes_per_param"] * model.num_params / GIB
     elif plan.deepspeed != Sharding.ZERO3:
         loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
@@ -251,8 +289,9 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
         per_param = c["zero3_offload_bytes_per_param" if plan.shards_parameters else "zero2_offload_bytes_per_param"]
         training["offloaded optimizer states (fp32 master, grads, Adam) x ranks"] = per_param * partition * ranks / GIB
         if not plan.shards_parameters and plan.grad_accum > 1:
-            training["pinned 16-bit accumulation buffers x ranks"] = \
+            training["pinned 16-bit accumulation buffers x ranks"] = (
                 c["accumulation_bytes_per_param"] * partition * ranks / GIB
+            )
     phase, items = max((("loading", loading), ("training", training)), key=lambda kv: sum(kv[1].values()))
     ram = ram_gib if ram_gib is not None else (hardware.ram_gib or None)
     return HostMemory(items=items, phase=phase, ram_gib=ram, headroom=c["headroom"])
@@ -261,6 +300,7 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
 @dataclass(frozen=True)
 class NvmeSettings:
     """What lfa writes into the DeepSpeed JSON of an NVMe offload plan (catalog/memory_model.yaml: nvme)."""
+
     sub_group_size: int
     optimizer_buffer_count: int
     param_buffer_count: int
@@ -274,13 +314,16 @@ class NvmeSettings:
 def nvme_settings(model: ModelSpec) -> NvmeSettings:
     c = coefficients()["nvme"]
     largest_tensor = max(model.embedding_params, model.hidden_size * model.intermediate_size)
-    return NvmeSettings(sub_group_size=int(c["sub_group_size"]),
-                        optimizer_buffer_count=int(c["optimizer_buffer_count"]),
-                        param_buffer_count=int(c["param_buffer_count"]),
-                        param_buffer_size=int(max(c["param_buffer_elements"], largest_tensor)),
-                        param_max_in_cpu=int(c["param_max_in_cpu"]), aio_block_size=int(c["aio_block_size"]),
-                        aio_queue_depth=int(c["aio_queue_depth"]),
-                        aio_intra_op_parallelism=int(c["aio_intra_op_parallelism"]))
+    return NvmeSettings(
+        sub_group_size=int(c["sub_group_size"]),
+        optimizer_buffer_count=int(c["optimizer_buffer_count"]),
+        param_buffer_count=int(c["param_buffer_count"]),
+        param_buffer_size=int(max(c["param_buffer_elements"], largest_tensor)),
+        param_max_in_cpu=int(c["param_max_in_cpu"]),
+        aio_block_size=int(c["aio_block_size"]),
+        aio_queue_depth=int(c["aio_queue_depth"]),
+        aio_intra_op_parallelism=int(c["aio_intra_op_parallelism"]),
+    )
 
 
 def nvme_host_bytes(model: ModelSpec, plan: Plan) -> dict[str, float]:
@@ -290,12 +333,15 @@ def nvme_host_bytes(model: ModelSpec, plan: Plan) -> dict[str, float]:
     partition = model.num_params / plan.world_size
     sub_group = min(settings.sub_group_size, partition)
     per_param = coefficients()["nvme"]["host_bytes_per_param"]
-    items = {"pinned 16-bit gradient partition and ZeRO-3 offload bookkeeping (fitted)": per_param * partition,
-             "pinned fp32 NVMe swap buffers (optimizer)": settings.optimizer_buffer_count * sub_group * 4.0,
-             "fp32 gradients of one sub-group on their way to the disk": sub_group * 4.0}
+    items = {
+        "pinned 16-bit gradient partition and ZeRO-3 offload bookkeeping (fitted)": per_param * partition,
+        "pinned fp32 NVMe swap buffers (optimizer)": settings.optimizer_buffer_count * sub_group * 4.0,
+        "fp32 gradients of one sub-group on their way to the disk": sub_group * 4.0,
+    }
     if plan.offloads_parameters:
-        items["pinned 16-bit NVMe swap buffers (parameters)"] = \
+        items["pinned 16-bit NVMe swap buffers (parameters)"] = (
             settings.param_buffer_count * settings.param_buffer_size * 2.0
+        )
         items["16-bit parameters kept in host memory (max_in_cpu)"] = min(settings.param_max_in_cpu, partition) * 2.0
     return items
 
@@ -305,8 +351,9 @@ def disk_gib(model: ModelSpec, plan: Plan) -> float:
     if not plan.offloads_to_nvme:
         return 0.0
     c = coefficients()["nvme"]
-    per_param = c["disk_bytes_per_param_optimizer"] + (c["disk_bytes_per_param_parameters"]
-                                                       if plan.offloads_parameters else 0.0)
+    per_param = c["disk_bytes_per_param_optimizer"] + (
+        c["disk_bytes_per_param_parameters"] if plan.offloads_parameters else 0.0
+    )
     ranks = max(1, plan.world_size // max(1, plan.nodes))
     return per_param * model.num_params / plan.world_size * ranks / GIB
 

@@ -1,4 +1,5 @@
 """Stage 3: the model's shape without its weights: from a local config.json or the built-in catalog."""
+
 from __future__ import annotations
 
 import json
@@ -61,10 +62,15 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
     try:
         heads = int(cfg["num_attention_heads"])
         return ModelSpec(
-            name=name, arch=str(cfg.get("arch") or cfg.get("model_type", "llama")),
-            hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads), intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+            arch=str(cfg.get("arch") or cfg.get("model_type", "llama")),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             torch_dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype")),
         )
@@ -72,14 +78,26 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
 
 
-CATALOG_KEYS = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "torch_dtype")
+CATALOG_KEYS = (
+    "arch",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "torch_dtype",
+)
 
 
 def catalog() -> dict[str, dict]:
     data = yaml.safe_load((catalog_dir() / "models" / "catalog.yaml").read_text())
-    raise_problems([p for name, shape in data.items() for p in unknown_keys(shape, CATALOG_KEYS, f"{name}: ")],
-                   "models/catalog.yaml")
+    raise_problems(
+        [p for name, shape in data.items() for p in unknown_keys(shape, CATALOG_KEYS, f"{name}: ")],
+        "models/catalog.yaml",
+    )
     return data
 
 
@@ -99,8 +117,10 @@ def load_model_spec(model: str) -> ModelSpec:
         return _from_config_dict(model, known[model])
     if path.is_absolute() or model.startswith(".") or model.count("/") != 1:
         raise UserError(f"model path {model} does not exist")
-    raise UserError(f"model '{model}' is neither a local folder nor in lfa's offline catalog "
-                    f"({', '.join(known)}); download it and pass its folder")
+    raise UserError(
+        f"model '{model}' is neither a local folder nor in lfa's offline catalog "
+        f"({', '.join(known)}); download it and pass its folder"
+    )
 
 
 def count_params_meta(model_dir: str) -> int:

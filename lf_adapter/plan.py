@@ -1,13 +1,25 @@
 """The value that travels from the planner to the renderer, the estimator and the supervisor."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from .strategy import (ATTENTIONS, DEEPSPEED_STAGES, LAUNCHERS, OFFLOADS, PRECISIONS, SHARDS_GRADIENTS,
-                       SHARDS_OPTIMIZER, SHARDS_PARAMETERS, Offload, OffloadKind, Optimizer, Sharding,
-                       normalized_sharding)
-
+from .strategy import (
+    ATTENTIONS,
+    DEEPSPEED_STAGES,
+    LAUNCHERS,
+    OFFLOADS,
+    PRECISIONS,
+    SHARDS_GRADIENTS,
+    SHARDS_OPTIMIZER,
+    SHARDS_PARAMETERS,
+    Offload,
+    OffloadKind,
+    Optimizer,
+    Sharding,
+    normalized_sharding,
+)
 
 # lfa's attention names -> LLaMA-Factory's flash_attn values (AttentionFunction: auto, disabled, sdpa, fa2, fa3);
 # transformers' "eager" is LLaMA-Factory's "disabled"
@@ -100,28 +112,43 @@ class Plan:
         """The recipe's flash_attn value for this plan's attention."""
         return LF_FLASH_ATTN[self.attention]
 
-    def replace(self, **changes) -> "Plan":
+    def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_label(cls, label: str, **fields) -> "Plan":
+    def from_label(cls, label: str, **fields) -> Plan:
         """Read back label()'s fields: 'bf16/mbs16xga4x1/nogc/sdpa/zero3-offload-all/sorted' (bench tables)."""
         parts = label.split("/")
-        mbs, rest = parts[1][len("mbs"):].split("xga")
+        mbs, rest = parts[1][len("mbs") :].split("xga")
         ga, world = rest.split("x")
         stage = next((p for p in parts if p.startswith(("zero", "fsdp"))), "")
         sharding, _, offload = stage.partition("-offload-")
         attention = next((p for p in parts if p in ATTENTIONS), "sdpa")
         optimizer = next((p for p in parts if p in {o.value for o in Optimizer}), "adamw")
-        return cls(optimizer=optimizer, precision=parts[0], micro_batch_size=int(mbs), grad_accum=int(ga), world_size=int(world),
-                   gradient_checkpointing=parts[2] == "gc", liger="liger" in parts, attention=attention,
-                   sharding=sharding or "none", offload=offload or "none", packing="packing" in parts,
-                   padding_free="padfree" in parts,
-                   sorted_steps="sorted" in parts, launcher="ray" if "ray" in parts else "torchrun", **fields)
+        return cls(
+            optimizer=optimizer,
+            precision=parts[0],
+            micro_batch_size=int(mbs),
+            grad_accum=int(ga),
+            world_size=int(world),
+            gradient_checkpointing=parts[2] == "gc",
+            liger="liger" in parts,
+            attention=attention,
+            sharding=sharding or "none",
+            offload=offload or "none",
+            packing="packing" in parts,
+            padding_free="padfree" in parts,
+            sorted_steps="sorted" in parts,
+            launcher="ray" if "ray" in parts else "torchrun",
+            **fields,
+        )
 
     def label(self) -> str:
-        parts = [self.precision, f"mbs{self.micro_batch_size}xga{self.grad_accum}x{self.world_size}",
-                 "gc" if self.gradient_checkpointing else "nogc"]
+        parts = [
+            self.precision,
+            f"mbs{self.micro_batch_size}xga{self.grad_accum}x{self.world_size}",
+            "gc" if self.gradient_checkpointing else "nogc",
+        ]
         if self.liger:
             parts.append("liger")
         parts.append(self.attention)

@@ -1,4 +1,5 @@
 """Stage 5: search the plan space and pick the fastest plan that fits, with reasons and runners-up."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,20 @@ from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
-from .memory import (DEFAULT_HEADROOM, HostMemory, MemoryBreakdown, coefficients, disk_gib, disk_limit_gib,
-                     estimate, host_memory)
+from .memory import (
+    DEFAULT_HEADROOM,
+    HostMemory,
+    MemoryBreakdown,
+    coefficients,
+    disk_gib,
+    disk_limit_gib,
+    estimate,
+    host_memory,
+)
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
-from .throughput import predict_tokens_per_s
 from .strategy import Offload, Optimizer, Sharding, normalized_sharding, violations
+from .throughput import predict_tokens_per_s
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -90,9 +99,14 @@ def pick_precision(hardware: HardwareProfile) -> tuple[str, str]:
         return "fp32", "no GPU: the CPU trains in fp32 (16-bit autocast on CPU is slow and lossy)"
     gpu = hardware.gpu
     if gpu.bf16:
-        return "bf16", f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (>= 8.0): native bf16, the paper's precision, no loss scaling"
-    return "fp16", (f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (< 8.0): no native bf16 (transformers' check passes only "
-                    "through slow emulation), so fp16 mixed precision with dynamic loss scaling")
+        return (
+            "bf16",
+            f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (>= 8.0): native bf16, the paper's precision, no loss scaling",
+        )
+    return "fp16", (
+        f"{gpu.name} is sm{gpu.cc[0]}{gpu.cc[1]} (< 8.0): no native bf16 (transformers' check passes only "
+        "through slow emulation), so fp16 mixed precision with dynamic loss scaling"
+    )
 
 
 def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
@@ -100,18 +114,27 @@ def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_gpu and per_gpu % m == 0]
 
 
-def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions,
-                    forbidden: set[str] | None = None):
+def candidate_plans(
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    effective_batch: int,
+    options: PlanOptions,
+    forbidden: set[str] | None = None,
+):
     """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
     pins are added to `forbidden` (their why), for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
     if effective_batch % world:
-        raise UserError(f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "
-                        "cannot be kept exactly; pass --gpus to use fewer GPUs")
+        raise UserError(
+            f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "
+            "cannot be kept exactly; pass --gpus to use fewer GPUs"
+        )
     on_cpu = not hardware.has_gpu
     liger = [False] if on_cpu or not options.liger_available or not hardware.gpu.runs_triton else [True, False]
-    attention = ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
+    attention = (
+        ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
+    )
     packing = [True, False] if options.allow_packing else [False]
     # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
     padding_free = [True] if options.fixed.get("padding_free") else [False]
@@ -126,23 +149,44 @@ def candidate_plans(model: ModelSpec, hardware: HardwareProfile, effective_batch
         if "sharding" in options.fixed or "deepspeed" in options.fixed:
             ds += [("zero2", "none"), ("zero3", "none")]
     else:
-        ds = [(None, "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"),
-              ("zero3", "all")]
+        ds = [
+            (None, "none"),
+            ("zero2", "none"),
+            ("zero3", "none"),
+            ("zero2", "optimizer"),
+            ("zero3", "optimizer"),
+            ("zero3", "all"),
+        ]
     if hardware.disk is not None and not hardware.disk.rotational and not on_cpu and options.allow_deepspeed:
         ds += [("zero3", Offload.NVME_OPTIMIZER.value), ("zero3", Offload.NVME_ALL.value)]
     # every optimizer is priced (the report shows what an opt-in would give); plan() chooses among the allowed
     optimizers = [options.fixed["optimizer"]] if options.fixed.get("optimizer") else [o.value for o in Optimizer]
-    fixed = {**options.fixed, **({"sharding": normalized_sharding(options.fixed["sharding"], world)}
-                                 if "sharding" in options.fixed else {})}
+    fixed = {
+        **options.fixed,
+        **({"sharding": normalized_sharding(options.fixed["sharding"], world)} if "sharding" in options.fixed else {}),
+    }
     for mbs, gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
-            _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free,
-            optimizers):
-        plan = Plan(precision=precision, micro_batch_size=mbs, grad_accum=effective_batch // (mbs * world),
-                    world_size=world, nodes=hardware.nodes, on_cpu=on_cpu, gradient_checkpointing=gc, liger=lg,
-                    attention=attn, sharding=stage or "none", offload=offload, packing=pack,
-                    padding_free=pf, sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
-                    alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
-                    launcher=options.launcher, optimizer=optimizer)
+        _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free, optimizers
+    ):
+        plan = Plan(
+            precision=precision,
+            micro_batch_size=mbs,
+            grad_accum=effective_batch // (mbs * world),
+            world_size=world,
+            nodes=hardware.nodes,
+            on_cpu=on_cpu,
+            gradient_checkpointing=gc,
+            liger=lg,
+            attention=attn,
+            sharding=stage or "none",
+            offload=offload,
+            packing=pack,
+            padding_free=pf,
+            sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
+            alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
+            launcher=options.launcher,
+            optimizer=optimizer,
+        )
         if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             continue
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
@@ -167,31 +211,56 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
     def key(c: Candidate):
         simplicity = (c.plan.deepspeed is not None) + (c.plan.offload != Offload.NONE) + c.plan.offloads_to_nvme
         tied = c.tokens_per_s >= best * (1.0 - NEAR_TIE)
-        return (not tied, simplicity if tied else 0, -c.plan.micro_batch_size if tied else 0, -c.tokens_per_s,
-                c.memory.reserved_gib)
+        return (
+            not tied,
+            simplicity if tied else 0,
+            -c.plan.micro_batch_size if tied else 0,
+            -c.tokens_per_s,
+            c.memory.reserved_gib,
+        )
+
     return sorted(fitting, key=key)
 
 
-def predict(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
-            mean_seq_fraction: float) -> Candidate:
+def predict(
+    model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
+) -> Candidate:
     """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
     draws beside the measurements)."""
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
     return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram)
 
 
-def _price(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float,
-           vram_gib: float | None, headroom: float = DEFAULT_HEADROOM, activation_scale: float = 1.0,
-           ram_gib: float | None = None) -> Candidate:
+def _price(
+    model: ModelSpec,
+    plan: Plan,
+    hardware: HardwareProfile,
+    seq_len: int,
+    mean_seq_fraction: float,
+    vram_gib: float | None,
+    headroom: float = DEFAULT_HEADROOM,
+    activation_scale: float = 1.0,
+    ram_gib: float | None = None,
+) -> Candidate:
     """A plan priced for GPU memory, speed, host RAM and disk."""
-    return Candidate(plan, estimate(model, plan, seq_len, vram_gib, headroom, activation_scale),
-                     predict_tokens_per_s(model, plan, hardware, seq_len, mean_seq_fraction),
-                     host_memory(model, plan, hardware, ram_gib), disk_gib(model, plan),
-                     hardware.disk.free_gib if hardware.disk else None)
+    return Candidate(
+        plan,
+        estimate(model, plan, seq_len, vram_gib, headroom, activation_scale),
+        predict_tokens_per_s(model, plan, hardware, seq_len, mean_seq_fraction),
+        host_memory(model, plan, hardware, ram_gib),
+        disk_gib(model, plan),
+        hardware.disk.free_gib if hardware.disk else None,
+    )
 
 
-def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
-         options: PlanOptions = PlanOptions(), suggest: bool = True) -> PlanResult:
+def plan(
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    effective_batch: int,
+    seq_len: int,
+    options: PlanOptions = PlanOptions(),
+    suggest: bool = True,
+) -> PlanResult:
     """The fastest plan that fits GPU and host memory. NoPlanFits when none does (with suggest: what would)."""
     if hardware.has_gpu:
         vram = options.vram_gib or hardware.gpu.vram_gib
@@ -202,36 +271,60 @@ def plan(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_
         if p in seen:
             continue
         seen.add(p)
-        candidates.append(_price(model, p, hardware, seq_len, options.mean_seq_fraction, vram, options.headroom,
-                                 options.activation_scale, options.ram_gib))
+        candidates.append(
+            _price(
+                model,
+                p,
+                hardware,
+                seq_len,
+                options.mean_seq_fraction,
+                vram,
+                options.headroom,
+                options.activation_scale,
+                options.ram_gib,
+            )
+        )
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
-        raise UserError(f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})" +
-                        "".join(f"; {why}" for why in sorted(forbidden)))
+        raise UserError(
+            f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})"
+            + "".join(f"; {why}" for why in sorted(forbidden))
+        )
     below = options.below_reserved_gib
     allowed = allowed_optimizers(options)
-    fitting = [c for c in candidates if c.fits and (below is None or c.memory.reserved_gib < below)
-               and c.plan.optimizer in allowed]
+    fitting = [
+        c
+        for c in candidates
+        if c.fits and (below is None or c.memory.reserved_gib < below) and c.plan.optimizer in allowed
+    ]
     if hardware.world_size == 1:
         # one GPU: DeepSpeed (offload) only when the model states need it with the same optimizer; its CPU Adam
         # and PCIe copies are hard to predict and it is one more package and launcher that can fail
         plain = {c.plan.optimizer for c in fitting if c.plan.deepspeed is None}
         fitting = [c for c in fitting if c.plan.deepspeed is None or c.plan.optimizer not in plain]
     fitting = rank(fitting)
-    rejected = sorted((c for c in candidates if not c.fits and c.plan.optimizer in allowed),
-                      key=lambda c: c.memory.reserved_gib)
+    rejected = sorted(
+        (c for c in candidates if not c.fits and c.plan.optimizer in allowed), key=lambda c: c.memory.reserved_gib
+    )
     if not fitting:
         allowed_candidates = [c for c in candidates if c.plan.optimizer in allowed] or candidates
-        raise NoPlanFits(no_fit_message(model, hardware, effective_batch, seq_len, options, allowed_candidates,
-                                        suggest), priced=candidates)
+        raise NoPlanFits(
+            no_fit_message(model, hardware, effective_batch, seq_len, options, allowed_candidates, suggest),
+            priced=candidates,
+        )
     chosen = fitting[0]
-    return PlanResult(chosen=dataclasses.replace(chosen, plan=explain(chosen, hardware, options, fitting)),
-                      runners_up=fitting[1:6], rejected=rejected[:5], priced=candidates)
+    return PlanResult(
+        chosen=dataclasses.replace(chosen, plan=explain(chosen, hardware, options, fitting)),
+        runners_up=fitting[1:6],
+        rejected=rejected[:5],
+        priced=candidates,
+    )
 
 
 @dataclass(frozen=True)
 class MachineOption:
     """One way to run the job on this machine, for the listing of what runs here."""
+
     kind: str  # "exact" | "opt-in optimizer"
     candidate: Candidate
     why_not: str | None = None  # None: it fits
@@ -250,8 +343,11 @@ def _why_not(c: Candidate) -> str | None:
     if not c.host.fits:
         parts.append(f"host {c.host.total_gib:.1f} > {c.host.limit_gib:.1f} GiB")
     if not c.disk_fits:
-        parts.append(f"disk {c.disk_gib:.0f} GiB > {disk_limit_gib(c.disk_free_gib):.0f} usable"
-                     if c.disk_free_gib is not None else "no disk declared in the profile")
+        parts.append(
+            f"disk {c.disk_gib:.0f} GiB > {disk_limit_gib(c.disk_free_gib):.0f} usable"
+            if c.disk_free_gib is not None
+            else "no disk declared in the profile"
+        )
     return "does not fit: " + ", ".join(parts)
 
 
@@ -277,6 +373,7 @@ def wall_time_s(c: Candidate, rows: int, epochs: float, seq_len: int, mean_seq_f
     """Predicted seconds for the whole run: every optimizer step of `epochs` passes over `rows` rows (the trainer
     runs a last, partial step per epoch)."""
     import math
+
     steps = math.ceil(rows / c.plan.effective_batch_size) * epochs
     return steps * c.step_s(seq_len, mean_seq_fraction)
 
@@ -285,8 +382,13 @@ def duration_text(seconds: float) -> str:
     """A predicted duration for people: seconds, minutes, hours, or days past 48 hours."""
     if seconds >= 48 * 3600:
         return f"{seconds / 86400:.1f} days"
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else \
-        f"{seconds:.0f} s"
+    return (
+        f"{seconds / 3600:.1f} h"
+        if seconds >= 5400
+        else f"{seconds / 60:.0f} min"
+        if seconds >= 90
+        else f"{seconds:.0f} s"
+    )
 
 
 def ruled_out_optimizers(listed: list[Candidate]) -> dict[str, str]:
@@ -304,32 +406,44 @@ def ruled_out_optimizers(listed: list[Candidate]) -> dict[str, str]:
     return out
 
 
-def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_fraction: float,
-                           rows: int | None, epochs: float, speed_basis: str,
-                           pinned_optimizer: str | None = None) -> list[str]:
+def format_machine_options(
+    options: list[MachineOption],
+    seq_len: int,
+    mean_seq_fraction: float,
+    rows: int | None,
+    epochs: float,
+    speed_basis: str,
+    pinned_optimizer: str | None = None,
+) -> list[str]:
     """The listing of what runs on this machine: GPU, host and disk use, predicted speed, step and wall time."""
     if not options:
         return []
-    span = (f"{epochs:g} epochs of {rows:,} rows" if rows else
-            f"{epochs:g} epochs per 100,000 rows (pass --dataset for your data's figure)")
-    lines = [f"what runs on this machine (PREDICTED: GPU / host / disk GiB, tokens/s, one optimizer step, "
-             f"{span}):"]
+    span = (
+        f"{epochs:g} epochs of {rows:,} rows"
+        if rows
+        else f"{epochs:g} epochs per 100,000 rows (pass --dataset for your data's figure)"
+    )
+    lines = [f"what runs on this machine (PREDICTED: GPU / host / disk GiB, tokens/s, one optimizer step, {span}):"]
     for o in options:
         c = o.candidate
         wall = wall_time_s(c, rows or 100_000, epochs, seq_len, mean_seq_fraction)
         tag = "exact" if o.kind == "exact" else "OPT-IN, changes what is trained"
-        lines.append(f"  [{tag}] {c.plan.label()}: {c.memory.reserved_gib:.1f} / {c.host.total_gib:.1f} / "
-                     f"{c.disk_gib:.0f} GiB, {c.tokens_per_s:,.0f} tok/s, {c.step_s(seq_len, mean_seq_fraction):,.0f} s "
-                     f"per step, {duration_text(wall)}" + (f" -- {o.why_not}" if o.why_not else ""))
+        lines.append(
+            f"  [{tag}] {c.plan.label()}: {c.memory.reserved_gib:.1f} / {c.host.total_gib:.1f} / "
+            f"{c.disk_gib:.0f} GiB, {c.tokens_per_s:,.0f} tok/s, {c.step_s(seq_len, mean_seq_fraction):,.0f} s "
+            f"per step, {duration_text(wall)}" + (f" -- {o.why_not}" if o.why_not else "")
+        )
     for optimizer, why in ruled_out_optimizers([o.candidate for o in options]).items():
         lines.append(f"  [OPT-IN] {optimizer}: not possible here: {why}")
     exact = [o.candidate for o in options if o.kind == "exact"]
     light = [o.candidate for o in options if o.kind != "exact" and o.fits]
     if exact and light and max(c.tokens_per_s for c in light) > 2 * max(c.tokens_per_s for c in exact):
         ratio = max(c.tokens_per_s for c in light) / max(c.tokens_per_s for c in exact)
-        lines.append(f"  note: the fastest opt-in optimizer is predicted {ratio:.1f}x faster than the fastest exact "
-                     "plan here; --allow-optimizer-change (or --pin optimizer=NAME) lets lfa take it, at the cost of "
-                     "not training with the paper's AdamW")
+        lines.append(
+            f"  note: the fastest opt-in optimizer is predicted {ratio:.1f}x faster than the fastest exact "
+            "plan here; --allow-optimizer-change (or --pin optimizer=NAME) lets lfa take it, at the cost of "
+            "not training with the paper's AdamW"
+        )
     if not exact and pinned_optimizer not in (None, Optimizer.ADAMW):
         lines.append(f"  exact plans (the paper's AdamW) were not priced: --pin optimizer={pinned_optimizer}")
     elif not exact:
@@ -338,42 +452,63 @@ def format_machine_options(options: list[MachineOption], seq_len: int, mean_seq_
     return lines
 
 
-def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int,
-                   options: PlanOptions, candidates: list[Candidate], suggest: bool = True) -> str:
+def no_fit_message(
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    effective_batch: int,
+    seq_len: int,
+    options: PlanOptions,
+    candidates: list[Candidate],
+    suggest: bool = True,
+) -> str:
     """Why nothing fits (the lightest plan's GPU and host needs) and what would: more GPUs of this kind, the RAM
     that ZeRO-3 offload needs, a smaller model from lfa's catalog."""
     lightest = min(candidates, key=lambda c: c.memory.reserved_gib)
     gpu_fitting = [c for c in candidates if c.memory.fits]
     where = f"{model.name} ({model.num_params / 1e9:.1f} B parameters) on {hardware.name}"
     if not hardware.has_gpu:
-        return (f"no plan fits {where}: even {lightest.plan.label()} needs {lightest.memory.reserved_gib:.1f} GiB "
-                f"of RAM against a limit of {lightest.memory.limit_gib:.1f} GiB; use a smaller model")
-    states = (f"the model states alone are {16 * model.num_params / 2**30:.1f} GiB (16 bytes per parameter, "
-              "AdamW)" if not lightest.plan.changes_optimizer else
-              f"the lightest plan, {lightest.plan.label()}, needs {lightest.memory.reserved_gib:.1f} GiB")
-    lines = [f"no plan fits {where}: {states}; the GPU has {lightest.memory.budget_gib:.1f} GiB "
-             f"({lightest.memory.limit_gib:.1f} usable with {options.headroom:.0%} headroom), the host "
-             f"{lightest.host.ram_gib or 0:.0f} GiB of RAM"]
+        return (
+            f"no plan fits {where}: even {lightest.plan.label()} needs {lightest.memory.reserved_gib:.1f} GiB "
+            f"of RAM against a limit of {lightest.memory.limit_gib:.1f} GiB; use a smaller model"
+        )
+    states = (
+        f"the model states alone are {16 * model.num_params / 2**30:.1f} GiB (16 bytes per parameter, AdamW)"
+        if not lightest.plan.changes_optimizer
+        else f"the lightest plan, {lightest.plan.label()}, needs {lightest.memory.reserved_gib:.1f} GiB"
+    )
+    lines = [
+        f"no plan fits {where}: {states}; the GPU has {lightest.memory.budget_gib:.1f} GiB "
+        f"({lightest.memory.limit_gib:.1f} usable with {options.headroom:.0%} headroom), the host "
+        f"{lightest.host.ram_gib or 0:.0f} GiB of RAM"
+    ]
     if options.activation_scale > 1.0:
         lines.append(f"(activations scaled x{options.activation_scale:.2f} to match the OOM this run showed)")
     if gpu_fitting:
         best_host = min(gpu_fitting, key=lambda c: (c.host.total_gib, c.disk_gib))
-        lines.append(f"  lightest on the GPU: {best_host.plan.label()} at {best_host.memory.reserved_gib:.1f} GiB, "
-                     f"but it {_why_not(best_host)}; host RAM: " +
-                     ", ".join(f"{k} {v:.1f}" for k, v in best_host.host.items.items()))
+        lines.append(
+            f"  lightest on the GPU: {best_host.plan.label()} at {best_host.memory.reserved_gib:.1f} GiB, "
+            f"but it {_why_not(best_host)}; host RAM: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in best_host.host.items.items())
+        )
         if not best_host.host.fits:
             need_ram = best_host.host.total_gib / (1.0 - best_host.host.headroom)
-            lines.append(f"  would fit: the same GPU with {need_ram:.0f} GiB of host RAM (declare it as ram_gib in a "
-                         "profile: lfa detect --save FILE, then --hardware FILE)")
+            lines.append(
+                f"  would fit: the same GPU with {need_ram:.0f} GiB of host RAM (declare it as ram_gib in a "
+                "profile: lfa detect --save FILE, then --hardware FILE)"
+            )
         if not best_host.disk_fits:
             need_disk = best_host.disk_gib / (1.0 - coefficients()["nvme"]["disk_headroom"])
-            lines.append(f"  would fit: {need_disk:.0f} GiB free at the swap folder (lfa generate --nvme-path DIR on a "
-                         "larger local disk)")
+            lines.append(
+                f"  would fit: {need_disk:.0f} GiB free at the swap folder (lfa generate --nvme-path DIR on a "
+                "larger local disk)"
+            )
     else:
         lines.append(f"  lightest on the GPU: {lightest.plan.label()} at {lightest.memory.reserved_gib:.1f} GiB")
     if hardware.disk is None:
-        lines.append("  would fit with a local NVMe disk for ZeRO-3 NVMe offload: declare it in the profile as "
-                     "disk: {path: DIR, free_gib: N, read_gbs: R, write_gbs: W} (lfa detect --measure-disk --save FILE)")
+        lines.append(
+            "  would fit with a local NVMe disk for ZeRO-3 NVMe offload: declare it in the profile as "
+            "disk: {path: DIR, free_gib: N, read_gbs: R, write_gbs: W} (lfa detect --measure-disk --save FILE)"
+        )
     if not suggest:
         return lines[0]
     plain = dataclasses.replace(options, below_reserved_gib=None)
@@ -385,8 +520,10 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
             found = plan(model, bigger, effective_batch, seq_len, plain, suggest=False)
         except UserError:
             continue
-        lines.append(f"  would fit: {gpus} GPUs of this kind ({found.chosen.plan.label()}, "
-                     f"{found.chosen.memory.reserved_gib:.1f} GiB per GPU, {found.chosen.host.total_gib:.0f} GiB RAM per node)")
+        lines.append(
+            f"  would fit: {gpus} GPUs of this kind ({found.chosen.plan.label()}, "
+            f"{found.chosen.memory.reserved_gib:.1f} GiB per GPU, {found.chosen.host.total_gib:.0f} GiB RAM per node)"
+        )
         break
     smaller = []
     for name in catalog():
@@ -405,12 +542,16 @@ def no_fit_message(model: ModelSpec, hardware: HardwareProfile, effective_batch:
 
 OPTIMIZER_REASONS = {
     Optimizer.ADAMW: "AdamW, the paper's optimizer",
-    Optimizer.ADAMW_8BIT: ("8-bit AdamW (bitsandbytes, opt-in): Adam moments quantized block-wise to 8 bits, 2 B/param "
-                           "instead of 8; CHANGES WHAT IS TRAINED (not the paper's AdamW)"),
-    Optimizer.BADAM: ("BAdam (opt-in): block coordinate descent, one decoder layer trained at a time with Adam "
-                      "(switching every 50 steps), the model kept in its checkpoint's dtype; CHANGES WHAT IS TRAINED (not "
-                      "the paper's AdamW; each layer sees 1/L of the updates); LLaMA-Factory checkpoints only the "
-                      "trainable layer, so the others keep their activations (priced)"),
+    Optimizer.ADAMW_8BIT: (
+        "8-bit AdamW (bitsandbytes, opt-in): Adam moments quantized block-wise to 8 bits, 2 B/param "
+        "instead of 8; CHANGES WHAT IS TRAINED (not the paper's AdamW)"
+    ),
+    Optimizer.BADAM: (
+        "BAdam (opt-in): block coordinate descent, one decoder layer trained at a time with Adam "
+        "(switching every 50 steps), the model kept in its checkpoint's dtype; CHANGES WHAT IS TRAINED (not "
+        "the paper's AdamW; each layer sees 1/L of the updates); LLaMA-Factory checkpoints only the "
+        "trainable layer, so the others keep their activations (priced)"
+    ),
 }
 
 
@@ -418,61 +559,108 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
     p = c.plan
     natural, precision_reason = pick_precision(hardware)
     if p.precision != natural:
-        precision_reason = (f"{p.precision}: pinned (--precision or --pin); on its own lfa would pick {natural}: "
-                            f"{precision_reason}")
+        precision_reason = (
+            f"{p.precision}: pinned (--precision or --pin); on its own lfa would pick {natural}: {precision_reason}"
+        )
     mem = c.memory
-    limit = "no GPU memory limit (CPU)" if mem.limit_gib is None else (
-        f"{mem.reserved_gib:.1f} GiB of {mem.limit_gib:.1f} GiB allowed ({mem.budget_gib:.1f} GiB usable, "
-        f"{options.headroom:.0%} headroom)")
+    limit = (
+        "no GPU memory limit (CPU)"
+        if mem.limit_gib is None
+        else (
+            f"{mem.reserved_gib:.1f} GiB of {mem.limit_gib:.1f} GiB allowed ({mem.budget_gib:.1f} GiB usable, "
+            f"{options.headroom:.0%} headroom)"
+        )
+    )
     reasons = {
         "precision": precision_reason,
-        "batch": (f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
-                  f"{p.grad_accum} accumulation x {p.world_size} {'GPU(s)' if hardware.has_gpu else 'process(es)'}; "
-                  f"predicted peak {limit}"),
-        "gradient_checkpointing": ("on: without it the activations of this micro-batch do not fit, or a larger "
-                                   "micro-batch with it is faster" if p.gradient_checkpointing else
-                                   "off: the activations fit, which saves the ~33% recompute"),
-        "liger": ("on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
-                  "save activation memory" if p.liger else
-                  ("off: needs a CUDA GPU with Triton (sm80+)" if not hardware.has_gpu or not options.liger_available
-                   or not hardware.gpu.runs_triton
-                   else "off: not needed for the fastest fitting plan")),
-        "attention": {"sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
-                      "fa2": "fa2: flash-attn is installed", "eager": "eager: fits and is as fast here",
-                      "auto": "auto"}[p.attention],
-        "deepspeed": (f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
-                      "through torchrun (FORCE_TORCHRUN=1)" + (
-                          f"; fp32 master weights, Adam moments and fp32 gradients ({c.disk_gib:.0f} GiB) are swapped "
-                          f"to {hardware.disk.path} and stream through host buffers every optimizer step "
-                          "(ZeRO-Infinity)" if p.offloads_to_nvme and hardware.disk else "") if p.deepspeed else
-                      f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
-                      f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
-                      "speed priced as ZeRO-3 (not measured)" + ("; NOTE on a CPU accelerate runs this as plain "
-                                                                 "DDP: it shards on GPUs only" if p.on_cpu else "")
-                      if p.sharding == Sharding.FSDP2 else
-                      ("none: no GPU (DeepSpeed needs one)" if p.on_cpu else
-                       "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
-                       if p.world_size == 1 else "none: DDP, every GPU holds the model state")),
-        "padding_free": ("on (pinned): each micro-batch's rows are flattened into one sequence with position ids "
-                         "restarting per row and attention limited to each row, so no compute goes to padding and "
-                         "the step trains on exactly the same rows and tokens; speed not measured yet"
-                         if p.padding_free else "off"),
-        "packing": ("on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
-                    "padding (changes what a batch is: rows per step grow)" if p.packing else
-                    "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"),
-        "sorted_steps": ("on: each optimizer step trains on the same random rows, but its micro-batches are cut from "
-                         "those rows sorted by length, so less compute goes to padding (lfa plugin, "
-                         "LFA_SORTED_STEPS=1; the loss is normalized by the step's token count, so the gradient is "
-                         "the same sum)" if p.sorted_steps else
-                         "off: " + ("packed rows have no padding" if p.packing else
-                                    "one row per micro-batch has no padding" if p.micro_batch_size == 1 else
-                                    "disabled with --no-sorted-steps")),
-        "allocator": (f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "
-                      "expandable segments let the caching allocator reuse memory instead of fragmenting it and "
-                      "retrying (synchronizing cudaFree/cudaMalloc) near the limit" if p.alloc_conf else
-                      "default caching allocator"),
+        "batch": (
+            f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
+            f"{p.grad_accum} accumulation x {p.world_size} {'GPU(s)' if hardware.has_gpu else 'process(es)'}; "
+            f"predicted peak {limit}"
+        ),
+        "gradient_checkpointing": (
+            "on: without it the activations of this micro-batch do not fit, or a larger micro-batch with it is faster"
+            if p.gradient_checkpointing
+            else "off: the activations fit, which saves the ~33% recompute"
+        ),
+        "liger": (
+            "on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
+            "save activation memory"
+            if p.liger
+            else (
+                "off: needs a CUDA GPU with Triton (sm80+)"
+                if not hardware.has_gpu or not options.liger_available or not hardware.gpu.runs_triton
+                else "off: not needed for the fastest fitting plan"
+            )
+        ),
+        "attention": {
+            "sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
+            "fa2": "fa2: flash-attn is installed",
+            "eager": "eager: fits and is as fast here",
+            "auto": "auto",
+        }[p.attention],
+        "deepspeed": (
+            f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
+            "through torchrun (FORCE_TORCHRUN=1)"
+            + (
+                f"; fp32 master weights, Adam moments and fp32 gradients ({c.disk_gib:.0f} GiB) are swapped "
+                f"to {hardware.disk.path} and stream through host buffers every optimizer step "
+                "(ZeRO-Infinity)"
+                if p.offloads_to_nvme and hardware.disk
+                else ""
+            )
+            if p.deepspeed
+            else f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
+            f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
+            "speed priced as ZeRO-3 (not measured)"
+            + ("; NOTE on a CPU accelerate runs this as plain DDP: it shards on GPUs only" if p.on_cpu else "")
+            if p.sharding == Sharding.FSDP2
+            else (
+                "none: no GPU (DeepSpeed needs one)"
+                if p.on_cpu
+                else "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
+                if p.world_size == 1
+                else "none: DDP, every GPU holds the model state"
+            )
+        ),
+        "padding_free": (
+            "on (pinned): each micro-batch's rows are flattened into one sequence with position ids "
+            "restarting per row and attention limited to each row, so no compute goes to padding and "
+            "the step trains on exactly the same rows and tokens; speed not measured yet"
+            if p.padding_free
+            else "off"
+        ),
+        "packing": (
+            "on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
+            "padding (changes what a batch is: rows per step grow)"
+            if p.packing
+            else "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"
+        ),
+        "sorted_steps": (
+            "on: each optimizer step trains on the same random rows, but its micro-batches are cut from "
+            "those rows sorted by length, so less compute goes to padding (lfa plugin, "
+            "LFA_SORTED_STEPS=1; the loss is normalized by the step's token count, so the gradient is "
+            "the same sum)"
+            if p.sorted_steps
+            else "off: "
+            + (
+                "packed rows have no padding"
+                if p.packing
+                else "one row per micro-batch has no padding"
+                if p.micro_batch_size == 1
+                else "disabled with --no-sorted-steps"
+            )
+        ),
+        "allocator": (
+            f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "
+            "expandable segments let the caching allocator reuse memory instead of fragmenting it and "
+            "retrying (synchronizing cudaFree/cudaMalloc) near the limit"
+            if p.alloc_conf
+            else "default caching allocator"
+        ),
         "optimizer": OPTIMIZER_REASONS[p.optimizer],
-        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s" +
-                      (" (a rough CPU FLOP rate, not measured)" if p.on_cpu else "") + f"; {len(fitting)} plans fit",
+        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s"
+        + (" (a rough CPU FLOP rate, not measured)" if p.on_cpu else "")
+        + f"; {len(fitting)} plans fit",
     }
     return p.replace(reasons=reasons)

@@ -1,5 +1,6 @@
 """Strict loading of lfa's data files (hardware profiles, the model catalog, failure classes, tasks): a key this
 version does not know is an error that names the nearest known key, never a silently dropped setting."""
+
 from __future__ import annotations
 
 import difflib

@@ -1,10 +1,12 @@
 """The strategy axis: how model states are spread over GPUs (sharding) and moved to the host (offload), as typed
 vocabularies, what each strategy shards, and one table of the combinations that do not work."""
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -48,6 +50,7 @@ OffloadDevice = Literal["gpu", "cpu", "nvme"]
 @dataclass(frozen=True)
 class OffloadKind:
     """Where one Offload value puts the model states: the DeepSpeed device and what moves there."""
+
     device: OffloadDevice  # "gpu": nothing leaves the GPU
     optimizer: bool  # fp32 master weights + Adam moments (+ fp32 gradients) leave the GPU; CPU Adam steps them
     parameters: bool  # the 16-bit parameters leave the GPU between uses (ZeRO-3 gathers them per module)
@@ -64,6 +67,7 @@ OFFLOADS: dict[str, OffloadKind] = {
 
 class Optimizer(_Vocabulary):
     """What updates the weights. Only ADAMW is the paper's; the others change what is trained (opt-in)."""
+
     ADAMW = "adamw"  # torch AdamW (DeepSpeed's CPU Adam under offload): fp32 moments
     ADAMW_8BIT = "adamw_8bit"  # bitsandbytes AdamW with 8-bit block-wise quantized moments (optim: adamw_bnb_8bit)
     BADAM = "badam"  # BAdam: block coordinate descent, Adam states for one decoder layer at a time (use_badam)
@@ -95,53 +99,87 @@ def normalized_sharding(value: str | None, world_size: int) -> str:
 @dataclass(frozen=True)
 class Constraint:
     rule: str  # also the review finding's rule id
-    violated: Callable[["Plan"], bool]
+    violated: Callable[[Plan], bool]
     why: str
     fix: str
     key: str  # the recipe key a review finding points at
 
 
 CONSTRAINTS: tuple[Constraint, ...] = (
-    Constraint("liger_with_zero3", lambda p: p.liger and p.sharding == Sharding.ZERO3,
-               "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads lm_head.weight directly, which "
-               "ZeRO-3 leaves sharded (size mismatch on the first step; huggingface/trl#3368, #5891)",
-               "turn liger off or use ZeRO-2", "enable_liger_kernel"),
-    Constraint("offload_needs_deepspeed", lambda p: p.offload != Offload.NONE and p.sharding not in DEEPSPEED_STAGES,
-               "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
-               "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload", "deepspeed"),
-    Constraint("parameter_offload_needs_zero3",
-               lambda p: OFFLOADS[p.offload].parameters and p.sharding != Sharding.ZERO3,
-               "parameters can only be offloaded when ZeRO-3 partitions them", "use ZeRO-3 or offload the optimizer only",
-               "deepspeed"),
-    Constraint("nvme_offload_needs_zero3",
-               lambda p: OFFLOADS[p.offload].device == "nvme" and p.sharding != Sharding.ZERO3,
-               "DeepSpeed swaps optimizer states to NVMe only in ZeRO-3 (stage_1_and_2.py has no swapper; 0.19.8)",
-               "use ZeRO-3 for NVMe offload", "deepspeed"),
-    Constraint("optimizer_change_with_deepspeed", lambda p: p.optimizer != Optimizer.ADAMW and p.sharding != Sharding.NONE,
-               "lfa prices 8-bit AdamW and BAdam on one process only (BAdam does not run under DeepSpeed or FSDP; "
-               "8-bit AdamW's states would be sharded differently)", "use AdamW, or one GPU without DeepSpeed",
-               "optim"),
-    Constraint("badam_needs_bf16", lambda p: p.optimizer == Optimizer.BADAM and p.precision != "bf16",
-               "BAdam trains the checkpoint's 16-bit weights directly, and fp16 mixed precision's loss scaler cannot "
-               "unscale 16-bit gradients (measured on the H200, the 6.7B's bf16 checkpoint: NotImplementedError "
-               "'_amp_foreach_non_finite_check_and_unscale_cuda' not implemented for 'BFloat16'; an fp16 checkpoint "
-               "meets torch's 'Attempting to unscale FP16 gradients')",
-               "use a GPU with native bf16 (sm80+), or 8-bit AdamW, or the exact NVMe offload plan", "use_badam"),
-    Constraint("padding_free_with_packing", lambda p: p.padding_free and p.packing,
-               "packing already leaves no padding (and mixes rows); padding-free keeps rows apart without it",
-               "use one of them", "packing"),
-    Constraint("fsdp2_on_one_process", lambda p: p.sharding == Sharding.FSDP2 and p.world_size == 1,
-               "FSDP2 on one process has nothing to shard it over", "use it with several GPUs, or no sharding",
-               "deepspeed"),
-    Constraint("fsdp2_with_ray", lambda p: p.sharding == Sharding.FSDP2 and p.launcher == "ray",
-               "LLaMA-Factory starts FSDP2 through `accelerate launch`, not through its Ray workers",
-               "use the torchrun launcher", "deepspeed"),
+    Constraint(
+        "liger_with_zero3",
+        lambda p: p.liger and p.sharding == Sharding.ZERO3,
+        "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads lm_head.weight directly, which "
+        "ZeRO-3 leaves sharded (size mismatch on the first step; huggingface/trl#3368, #5891)",
+        "turn liger off or use ZeRO-2",
+        "enable_liger_kernel",
+    ),
+    Constraint(
+        "offload_needs_deepspeed",
+        lambda p: p.offload != Offload.NONE and p.sharding not in DEEPSPEED_STAGES,
+        "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
+        "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload",
+        "deepspeed",
+    ),
+    Constraint(
+        "parameter_offload_needs_zero3",
+        lambda p: OFFLOADS[p.offload].parameters and p.sharding != Sharding.ZERO3,
+        "parameters can only be offloaded when ZeRO-3 partitions them",
+        "use ZeRO-3 or offload the optimizer only",
+        "deepspeed",
+    ),
+    Constraint(
+        "nvme_offload_needs_zero3",
+        lambda p: OFFLOADS[p.offload].device == "nvme" and p.sharding != Sharding.ZERO3,
+        "DeepSpeed swaps optimizer states to NVMe only in ZeRO-3 (stage_1_and_2.py has no swapper; 0.19.8)",
+        "use ZeRO-3 for NVMe offload",
+        "deepspeed",
+    ),
+    Constraint(
+        "optimizer_change_with_deepspeed",
+        lambda p: p.optimizer != Optimizer.ADAMW and p.sharding != Sharding.NONE,
+        "lfa prices 8-bit AdamW and BAdam on one process only (BAdam does not run under DeepSpeed or FSDP; "
+        "8-bit AdamW's states would be sharded differently)",
+        "use AdamW, or one GPU without DeepSpeed",
+        "optim",
+    ),
+    Constraint(
+        "badam_needs_bf16",
+        lambda p: p.optimizer == Optimizer.BADAM and p.precision != "bf16",
+        "BAdam trains the checkpoint's 16-bit weights directly, and fp16 mixed precision's loss scaler cannot "
+        "unscale 16-bit gradients (measured on the H200, the 6.7B's bf16 checkpoint: NotImplementedError "
+        "'_amp_foreach_non_finite_check_and_unscale_cuda' not implemented for 'BFloat16'; an fp16 checkpoint "
+        "meets torch's 'Attempting to unscale FP16 gradients')",
+        "use a GPU with native bf16 (sm80+), or 8-bit AdamW, or the exact NVMe offload plan",
+        "use_badam",
+    ),
+    Constraint(
+        "padding_free_with_packing",
+        lambda p: p.padding_free and p.packing,
+        "packing already leaves no padding (and mixes rows); padding-free keeps rows apart without it",
+        "use one of them",
+        "packing",
+    ),
+    Constraint(
+        "fsdp2_on_one_process",
+        lambda p: p.sharding == Sharding.FSDP2 and p.world_size == 1,
+        "FSDP2 on one process has nothing to shard it over",
+        "use it with several GPUs, or no sharding",
+        "deepspeed",
+    ),
+    Constraint(
+        "fsdp2_with_ray",
+        lambda p: p.sharding == Sharding.FSDP2 and p.launcher == "ray",
+        "LLaMA-Factory starts FSDP2 through `accelerate launch`, not through its Ray workers",
+        "use the torchrun launcher",
+        "deepspeed",
+    ),
 )
 
 
-def violations(plan: "Plan") -> list[Constraint]:
+def violations(plan: Plan) -> list[Constraint]:
     return [c for c in CONSTRAINTS if c.violated(plan)]
 
 
-def violated(plan: "Plan", rule: str) -> bool:
+def violated(plan: Plan, rule: str) -> bool:
     return any(c.rule == rule for c in violations(plan))

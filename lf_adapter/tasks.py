@@ -1,8 +1,8 @@
 """Stage 2: task definitions (catalog/tasks/*.yaml) as typed values."""
+
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,15 +55,23 @@ def load_task(name: str) -> TaskSpec:
     if path is None:
         raise UserError(f"unknown task '{name}'; known tasks: {', '.join(task_files())} (see `lfa tasks`)")
     data = yaml.safe_load(path.read_text())
-    raise_problems(unknown_keys(data, [f.name for f in dataclasses.fields(TaskSpec)]) +
-                   unknown_keys(data.get("dataset") or {}, [f.name for f in dataclasses.fields(DatasetSpec)],
-                                "dataset."), f"task {path}")
+    raise_problems(
+        unknown_keys(data, [f.name for f in dataclasses.fields(TaskSpec)])
+        + unknown_keys(data.get("dataset") or {}, [f.name for f in dataclasses.fields(DatasetSpec)], "dataset."),
+        f"task {path}",
+    )
     return TaskSpec(
-        name=data["name"], description=data["description"], stage=data["stage"],
-        finetuning_type=data["finetuning_type"], default_model=data.get("default_model"),
-        model_from_task=data.get("model_from_task"), chat_template=data.get("chat_template"),
-        dataset=DatasetSpec(**data["dataset"]), prompt_format=data.get("prompt_format"),
-        hyperparameters=dict(data["hyperparameters"]), original_plan=dict(data["original_plan"]),
+        name=data["name"],
+        description=data["description"],
+        stage=data["stage"],
+        finetuning_type=data["finetuning_type"],
+        default_model=data.get("default_model"),
+        model_from_task=data.get("model_from_task"),
+        chat_template=data.get("chat_template"),
+        dataset=DatasetSpec(**data["dataset"]),
+        prompt_format=data.get("prompt_format"),
+        hyperparameters=dict(data["hyperparameters"]),
+        original_plan=dict(data["original_plan"]),
     )
 
 

@@ -1,5 +1,6 @@
 """The throughput model: predicted non-pad tokens per second of a plan on a machine (coefficients in
 catalog/memory_model.yaml, fitted in bench/README.md), and what a prediction rests on."""
+
 from __future__ import annotations
 
 from .hardware import HardwareProfile
@@ -9,8 +10,9 @@ from .plan import Plan
 from .strategy import Offload, Optimizer, Sharding
 
 
-def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int,
-                         mean_seq_fraction: float) -> float:
+def predict_tokens_per_s(
+    model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
+) -> float:
     """Throughput model (coefficients in catalog/memory_model.yaml, fitted in bench/README.md): the CPU launches
     a micro-batch's kernels while the GPU runs the previous ones, so a micro-batch takes the longer of the two;
     then the optimizer step, DeepSpeed offload and gradient exchange once per step."""
@@ -43,8 +45,10 @@ def predict_tokens_per_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile
         rate *= t["no_liger_gpu_efficiency"]
     # wider layers: larger GEMMs, and the memory-bound elementwise work shrinks relative to the matmuls (the rates
     # above were fitted at hidden 2048); never above the fixed-shape rate
-    rate = min(rate * (model.hidden_size / t["fitted_hidden_size"]) ** t["width_rate_exponent"],
-               gpu.peak_tflops_16bit * 1e12 * t["mfu_max"])
+    rate = min(
+        rate * (model.hidden_size / t["fitted_hidden_size"]) ** t["width_rate_exponent"],
+        gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
+    )
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
     cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"] if recompute else 1.0)
     zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
@@ -122,12 +126,16 @@ def host_link_bytes_per_s(hardware: HardwareProfile) -> float:
 def nvme_basis(hardware: HardwareProfile) -> str:
     disk = hardware.disk
     if disk is not None and disk.known_rates:
-        rates = (f"the profile's disk at {disk.read_gbs:g} GB/s read, {disk.write_gbs:g} GB/s write "
-                 f"({disk.source or 'source not given'})")
+        rates = (
+            f"the profile's disk at {disk.read_gbs:g} GB/s read, {disk.write_gbs:g} GB/s write "
+            f"({disk.source or 'source not given'})"
+        )
     else:
         c = coefficients()["nvme"]
-        rates = (f"no measured disk rates in the profile: the H200 device's {c['default_read_gbs']:g} / "
-                 f"{c['default_write_gbs']:g} GB/s (lfa detect --measure-disk --save measures yours)")
+        rates = (
+            f"no measured disk rates in the profile: the H200 device's {c['default_read_gbs']:g} / "
+            f"{c['default_write_gbs']:g} GB/s (lfa detect --measure-disk --save measures yours)"
+        )
     return f"NVMe offload's step streams 32 B/param through {rates}; disk model by construction (bench/README.md)"
 
 
@@ -136,8 +144,10 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     if not hardware.has_gpu:
         return "CPU: a rough FLOP rate, not measured"
     gpu = hardware.gpu
-    basis = (f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
-             f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s")
+    basis = (
+        f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
+        f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s"
+    )
     if plan.offload != Offload.NONE:
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
     if plan.offloads_to_nvme:
@@ -145,15 +155,27 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     if plan.sharding == Sharding.FSDP2:
         basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
     if hardware.nodes > 1:
-        basis += (f"; between nodes {hardware.internode_gbs:g} GB/s (the profile's internode_gbs)"
-                  if hardware.internode_gbs else "; between nodes a typical 100 Gb/s network (not measured: declare "
-                  "internode_gbs in the profile)")
+        basis += (
+            f"; between nodes {hardware.internode_gbs:g} GB/s (the profile's internode_gbs)"
+            if hardware.internode_gbs
+            else "; between nodes a typical 100 Gb/s network (not measured: declare internode_gbs in the profile)"
+        )
     if "H200" in gpu.name:
-        caveats = [text for applies, text in (
-            (plan.offloads_to_nvme, nvme_basis(hardware)),
-            (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
-            (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
-            (plan.sharding == Sharding.FSDP2, "FSDP2 priced as ZeRO-3 (not measured)")) if applies]
-        return "; ".join(["throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
-                          "width within 2.2% (one run fitted, three checked), the 350M width +0.9%", *caveats])
+        caveats = [
+            text
+            for applies, text in (
+                (plan.offloads_to_nvme, nvme_basis(hardware)),
+                (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
+                (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
+                (plan.sharding == Sharding.FSDP2, "FSDP2 priced as ZeRO-3 (not measured)"),
+            )
+            if applies
+        ]
+        return "; ".join(
+            [
+                "throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
+                "width within 2.2% (one run fitted, three checked), the 350M width +0.9%",
+                *caveats,
+            ]
+        )
     return basis + "; not measured on this GPU"

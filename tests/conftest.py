@@ -12,8 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_lfa(*args, cwd=None, env=None, timeout=600):
     full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lf_adapter.cli", *map(str, args)], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lf_adapter.cli", *map(str, args)],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -33,11 +39,30 @@ def cpu_recipe(tmp_path, demo_assets):
 
     def make(*sets, name="recipe", extra=()):
         out = tmp_path / name
-        result = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", "cpu",
-                         "--set", "effective_batch_size=8", "--set", "learning_rate=1.0e-3", "--set", "cutoff_len=512",
-                         *[x for s in sets for x in ("--set", s)], *extra, "-o", out)
+        result = run_lfa(
+            "generate",
+            "--task",
+            "pseudo2norm",
+            "--model",
+            model,
+            "--dataset",
+            data,
+            "--hardware",
+            "cpu",
+            "--set",
+            "effective_batch_size=8",
+            "--set",
+            "learning_rate=1.0e-3",
+            "--set",
+            "cutoff_len=512",
+            *[x for s in sets for x in ("--set", s)],
+            *extra,
+            "-o",
+            out,
+        )
         assert result.returncode == 0, result.stderr
         return out / "train.yaml"
+
     return make
 
 
@@ -45,13 +70,22 @@ def cpu_recipe(tmp_path, demo_assets):
 def _ledger(run_dir):
     return json.loads((run_dir / "ledger.json").read_text())
 
+
 def _losses(output_dir):
-    return [json.loads(l) for l in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+
 
 def _start_train(recipe, run_dir, env):
     full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--run-dir", str(run_dir)],
-                            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
 
 def _wait_for(predicate, timeout=240):
     deadline = time.time() + timeout
@@ -61,6 +95,7 @@ def _wait_for(predicate, timeout=240):
         time.sleep(0.2)
     return False
 
+
 def _events(run_dir):
     path = run_dir / "events.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

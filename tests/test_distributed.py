@@ -1,5 +1,6 @@
 """Beyond one process, on the CPU with the real llamafactory-cli: torchrun with 2 gloo processes, and 2 "nodes" on
 localhost (one `lfa train --node-rank` supervisor each); plus what lfa renders for a cluster and for Ray."""
+
 import json
 import signal
 import socket
@@ -25,9 +26,28 @@ def _profile(tmp_path, **fields):
 
 def _generate(demo_assets, out, hardware, *extra):
     model, data = demo_assets
-    result = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", hardware,
-                     "--set", "effective_batch_size=8", "--set", "cutoff_len=256", "--set", "learning_rate=1.0e-3",
-                     "--set", "max_steps=3", *extra, "-o", out)
+    result = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        model,
+        "--dataset",
+        data,
+        "--hardware",
+        hardware,
+        "--set",
+        "effective_batch_size=8",
+        "--set",
+        "cutoff_len=256",
+        "--set",
+        "learning_rate=1.0e-3",
+        "--set",
+        "max_steps=3",
+        *extra,
+        "-o",
+        out,
+    )
     assert result.returncode == 0, result.stderr
     return out / "train.yaml"
 
@@ -35,8 +55,15 @@ def _generate(demo_assets, out, hardware, *extra):
 def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_path):
     """Two gloo processes through torchrun, stopped mid-run (SIGINT: the plugin saves) and resumed. Resuming reads
     the optimizer state with map_location "cpu:<rank>", which torch cannot restore by itself (the plugin adds it)."""
-    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2),
-                       "--set", "max_steps=8", "--logging-steps", "1")
+    recipe = _generate(
+        demo_assets,
+        tmp_path / "r",
+        _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+        "--set",
+        "max_steps=8",
+        "--logging-steps",
+        "1",
+    )
     launch = (recipe.parent / "launch.sh").read_text()
     assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="2"' in launch
     run_dir = tmp_path / "run"
@@ -50,7 +77,7 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
     log = (run_dir / "attempt-1.log").read_text()
     for rank in (0, 1):
         assert f"Process rank: {rank}, world size: 2, device: cpu" in log
-    begin = next(l for l in (run_dir / "events.jsonl").read_text().splitlines() if "train_begin" in l)
+    begin = next(line for line in (run_dir / "events.jsonl").read_text().splitlines() if "train_begin" in line)
     assert '"world_size": 2' in begin
     # the communication profiler's window (steps 1-2 here) measured gloo's all-reduces on rank 0
     [comm] = [e for e in _events(run_dir) if e["event"] == "comm"]
@@ -60,8 +87,10 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
     last = _ledger(run_dir)["attempts"][-1]
     assert last["resumed_from"].endswith(saved[-1].name) and last["last_step"] == 8
     assert "don't know how to restore" not in (run_dir / f"attempt-{last['n']}.log").read_text()
-    assert f"collectives ran {comm['share']:.1%} of optimizer steps 1-2 of attempt 1" in \
-        (run_dir / "report.html").read_text()
+    assert (
+        f"collectives ran {comm['share']:.1%} of optimizer steps 1-2 of attempt 1"
+        in (run_dir / "report.html").read_text()
+    )
 
 
 def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp_path):
@@ -69,8 +98,15 @@ def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp
     The route (config, launcher, LLaMA-Factory's FSDP2 detection, checkpoint layout) is real here; the sharding is
     not: accelerate applies FSDP on accelerators only and runs the same job as MULTI_CPU DDP on a CPU
     (accelerate/state.py), so what FSDP2 saves in memory is measured on GPUs, not by this test."""
-    recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2),
-                       "--pin", "sharding=fsdp2", "--logging-steps", "1")
+    recipe = _generate(
+        demo_assets,
+        tmp_path / "r",
+        _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+        "--pin",
+        "sharding=fsdp2",
+        "--logging-steps",
+        "1",
+    )
     folder = recipe.parent
     config = yaml.safe_load((folder / "accelerate_fsdp2.yaml").read_text())
     assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
@@ -94,16 +130,35 @@ def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp
 
 
 def test_two_nodes_on_localhost_each_with_its_own_supervisor(demo_assets, tmp_path):
-    profile = _profile(tmp_path, name="two-nodes", nodes=2, processes_per_node=1, master_addr="127.0.0.1",
-                       master_port=_free_port())
+    profile = _profile(
+        tmp_path, name="two-nodes", nodes=2, processes_per_node=1, master_addr="127.0.0.1", master_port=_free_port()
+    )
     recipe = _generate(demo_assets, tmp_path / "r", profile)
     assert "export NODE_RANK=1" in (recipe.parent / "launch-node-1.sh").read_text()
     env = {"DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
     import os
 
-    nodes = [subprocess.Popen([sys.executable, "-m", "lf_adapter.cli", "train", str(recipe), "--node-rank", str(rank),
-                               "--run-dir", str(tmp_path / f"node{rank}")], cwd=REPO, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lf_adapter.cli",
+                "train",
+                str(recipe),
+                "--node-rank",
+                str(rank),
+                "--run-dir",
+                str(tmp_path / f"node{rank}"),
+            ],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     for rank in (0, 1):
@@ -126,18 +181,46 @@ def test_cluster_profile_renders_per_node_scripts_sbatch_and_a_fixed_rendezvous(
     node1 = (folder / "launch-node-1.sh").read_text()
     assert "export NODE_RANK=1" in node1 and "gpu-node-1" in node1 and "--node-rank 1" in node1
     sbatch = (folder / "sbatch.sh").read_text()
-    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and '--node-rank "$SLURM_NODEID"' in sbatch
+    assert (
+        "#SBATCH --nodes=2" in sbatch
+        and "#SBATCH --gpus-per-node=8" in sbatch
+        and '--node-rank "$SLURM_NODEID"' in sbatch
+    )
 
 
 def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
-    new = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
-                  "--llamafactory-version", "0.9.5", "-o", tmp_path / "ray095")
-    old = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cluster-2x8-h100", "--launcher", "ray",
-                  "--llamafactory-version", "0.9.4", "-o", tmp_path / "ray094")
+    new = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "cluster-2x8-h100",
+        "--launcher",
+        "ray",
+        "--llamafactory-version",
+        "0.9.5",
+        "-o",
+        tmp_path / "ray095",
+    )
+    old = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "cluster-2x8-h100",
+        "--launcher",
+        "ray",
+        "--llamafactory-version",
+        "0.9.4",
+        "-o",
+        tmp_path / "ray094",
+    )
     assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
     r095 = yaml.safe_load((tmp_path / "ray095" / "train.yaml").read_text())
     r094 = yaml.safe_load((tmp_path / "ray094" / "train.yaml").read_text())
-    assert r095["ray_num_workers"] == 16 and r095["ray_init_kwargs"] == {"address": "auto"} and "ray_run_name" not in r095
+    assert (
+        r095["ray_num_workers"] == 16 and r095["ray_init_kwargs"] == {"address": "auto"} and "ray_run_name" not in r095
+    )
     assert r094["ray_num_workers"] == 16 and r094["resources_per_worker"] == {"GPU": 1} and "ray_run_name" in r094
     launch = (tmp_path / "ray095" / "launch.sh").read_text()
     assert 'USE_RAY="1"' in launch and "FORCE_TORCHRUN" not in launch
@@ -145,8 +228,8 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     # the 0.9.4 recipe under the installed LLaMA-Factory: review names the keys that changed
     review = run_lfa("review", tmp_path / "ray094" / "train.yaml", "--format", "json")
     import json
-
     from importlib.metadata import version
+
     from packaging.version import Version
 
     findings = json.loads(review.stdout)[0]["findings"]
@@ -155,7 +238,9 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     # 0.9.5 rejects the 0.9.4 Ray keys (error); 0.9.4 accepts them (a note for other installs)
     assert ("version_dependent_key", "error" if installed_095 else "info") in found, findings
     assert (review.returncode == 1) == installed_095
-    single = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--launcher", "ray", "-o", tmp_path / "x")
+    single = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", "h200", "--launcher", "ray", "-o", tmp_path / "x"
+    )
     assert single.returncode == 2 and "one process needs no launcher" in single.stderr
 
 
@@ -164,14 +249,23 @@ def test_a_ray_job_that_ray_cannot_place_is_stopped_with_advice_not_left_waiting
     # device: the real Ray never places the workers and LLaMA-Factory waits forever. lfa refuses to generate such
     # a recipe; a hand-made one must still end in seconds with the reason, through the real LLaMA-Factory + Ray.
     import pytest
+
     pytest.importorskip("ray")
-    refused = run_lfa("generate", "--task", "pseudo2norm", "--hardware", _profile(tmp_path, name="cpu-x2",
-                      processes_per_node=2), "--launcher", "ray", "-o", tmp_path / "refused")
+    refused = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+        "--launcher",
+        "ray",
+        "-o",
+        tmp_path / "refused",
+    )
     assert refused.returncode == 2 and "--launcher ray needs GPUs" in refused.stderr
     recipe = _generate(demo_assets, tmp_path / "r", _profile(tmp_path, name="cpu-x2", processes_per_node=2))
     recipe.write_text(recipe.read_text() + "ray_num_workers: 2\n")
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "3",
-                     timeout=240)
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "3", timeout=240)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ray_unschedulable cannot be fixed by retrying" in result.stderr + result.stdout
     assert "--num-cpus of at least 10 per GPU" in result.stderr + result.stdout

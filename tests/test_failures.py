@@ -3,31 +3,34 @@ from pathlib import Path
 import pytest
 
 from lf_adapter.hardware import load_profile
-from lf_adapter.run.monitor import LineReader, classify, parse_cuda_oom
 from lf_adapter.plan import Plan
+from lf_adapter.run.monitor import LineReader, classify, parse_cuda_oom
 from lf_adapter.run.remedies import Attempt, Context, next_remedy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failures"
 
 
-@pytest.mark.parametrize("fixture, kind, retriable", [
-    ("cuda_oom_h200_lf095.log", "cuda_oom", True),
-    ("force_torchrun.log", "launch_force_torchrun", True),
-    ("launch_distributed.log", "launch_distributed", True),
-    ("bf16_unsupported.log", "bf16_unsupported", True),
-    ("liger_missing.log", "liger_missing", True),
-    ("disk_full_torch_save.log", "disk_full", True),
-    ("nccl_timeout.log", "nccl_timeout", True),
-    ("hub_network.log", "hub_network", True),
-    ("config_unknown_key.log", "config_error", False),
-    ("config_template.log", "config_error", False),
-    # reconstructed from DeepSpeed 0.19.8's message (runtime/engine.py:2345) inside an LF 0.9.5 torchrun traceback
-    ("deepspeed_offload_client_optimizer.log", "deepspeed_offload_optimizer", True),
-    # captured on the H200: LLaMA-Factory 0.9.5 + DeepSpeed 0.19.8, ZeRO-3, cosine_with_min_lr with min_lr
-    ("zero3_min_lr_scheduler_h200.log", "scheduler_min_lr_zero3", True),
-    # captured here: LLaMA-Factory 0.9.5 + Ray 2.60, USE_RAY=1 on a 2-CPU machine (it then waits forever)
-    ("ray_unschedulable_cpu_lf095.log", "ray_unschedulable", False),
-])
+@pytest.mark.parametrize(
+    "fixture, kind, retriable",
+    [
+        ("cuda_oom_h200_lf095.log", "cuda_oom", True),
+        ("force_torchrun.log", "launch_force_torchrun", True),
+        ("launch_distributed.log", "launch_distributed", True),
+        ("bf16_unsupported.log", "bf16_unsupported", True),
+        ("liger_missing.log", "liger_missing", True),
+        ("disk_full_torch_save.log", "disk_full", True),
+        ("nccl_timeout.log", "nccl_timeout", True),
+        ("hub_network.log", "hub_network", True),
+        ("config_unknown_key.log", "config_error", False),
+        ("config_template.log", "config_error", False),
+        # reconstructed from DeepSpeed 0.19.8's message (runtime/engine.py:2345) inside an LF 0.9.5 torchrun traceback
+        ("deepspeed_offload_client_optimizer.log", "deepspeed_offload_optimizer", True),
+        # captured on the H200: LLaMA-Factory 0.9.5 + DeepSpeed 0.19.8, ZeRO-3, cosine_with_min_lr with min_lr
+        ("zero3_min_lr_scheduler_h200.log", "scheduler_min_lr_zero3", True),
+        # captured here: LLaMA-Factory 0.9.5 + Ray 2.60, USE_RAY=1 on a 2-CPU machine (it then waits forever)
+        ("ray_unschedulable_cpu_lf095.log", "ray_unschedulable", False),
+    ],
+)
 def test_real_error_texts_are_classified(fixture, kind, retriable):
     failure = classify((FIXTURES / fixture).read_text().splitlines(), 1)
     assert (failure.kind, failure.retriable) == (kind, retriable)
@@ -59,8 +62,14 @@ def _ladder(hw, steps):
 
 def test_oom_ladder_keeps_the_effective_batch():
     actions, attempt = _ladder(load_profile("a100-80g"), 6)
-    assert actions == ["fragmentation", "halve_micro_batch", "gradient_checkpointing", "liger", "halve_micro_batch",
-                       "halve_micro_batch"]
+    assert actions == [
+        "fragmentation",
+        "halve_micro_batch",
+        "gradient_checkpointing",
+        "liger",
+        "halve_micro_batch",
+        "halve_micro_batch",
+    ]
     assert attempt.plan.micro_batch_size == 1 and attempt.plan.grad_accum == 64
     # below sm80 (a V100) Triton does not run: the ladder never turns liger on
     actions, attempt = _ladder(load_profile("v100-32g"), 5)
@@ -159,8 +168,9 @@ def test_oom_with_no_plan_for_gpu_and_host_stops_at_once_with_what_would_fit():
     import dataclasses
 
     no_disk = dataclasses.replace(load_profile("v100-32g"), disk=None)
-    remedy = next_remedy(Attempt(Plan.from_label("fp16/mbs8xga8x1/gc/sdpa/zero2")), _seed_failure(),
-                         _context(no_disk), set())
+    remedy = next_remedy(
+        Attempt(Plan.from_label("fp16/mbs8xga8x1/gc/sdpa/zero2")), _seed_failure(), _context(no_disk), set()
+    )
     assert remedy.attempt is None and remedy.action == "no_plan_fits"
     assert "declare it in the profile as disk" in remedy.why
     assert "128 GiB of RAM" in remedy.why and "GiB of host RAM" in remedy.why
@@ -173,12 +183,21 @@ def test_fragmentation_alone_only_when_the_model_says_the_plan_fits():
     from lf_adapter.model_spec import load_model_spec
     from lf_adapter.run.monitor import Failure
 
-    context = Context(hardware=load_profile("h200-capped-32g"), model=load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"))
+    context = Context(
+        hardware=load_profile("h200-capped-32g"), model=load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    )
     plan = Plan.from_label("fp16/mbs8xga8x1/gc/liger/sdpa")
-    details = {"asked_gib": 1.0, "capacity_gib": 139.8, "allowed_gib": 31.73, "allocated_gib": 20.0,
-               "reserved_unallocated_gib": 2.5}
+    details = {
+        "asked_gib": 1.0,
+        "capacity_gib": 139.8,
+        "allowed_gib": 31.73,
+        "allocated_gib": 20.0,
+        "reserved_unallocated_gib": 2.5,
+    }
     remedy = next_remedy(Attempt(plan), Failure("cuda_oom", True, ["x"], details), context, set())
-    assert remedy.action == "fragmentation" and remedy.attempt.plan == plan.replace(alloc_conf="expandable_segments:True")
+    assert remedy.action == "fragmentation" and remedy.attempt.plan == plan.replace(
+        alloc_conf="expandable_segments:True"
+    )
     details.update(reserved_unallocated_gib=0.5, allocated_gib=29.0, asked_gib=1.97)
     remedy = next_remedy(Attempt(plan), Failure("cuda_oom", True, ["x"], details), context, set())
     assert remedy.action == "replan" and remedy.attempt.plan.effective_batch_size == 64
@@ -191,18 +210,25 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     from conftest import run_lfa
 
     recipe = tmp_path / "train.yaml"
-    recipe.write_text("model_name_or_path: LLM4Binary/llm4decompile-6.7b-v2\nstage: sft\ndo_train: true\n"
-                      "finetuning_type: full\ndeepspeed: ds_z2_config.json\ndataset: pseudo2norm\n"
-                      "template: sk2decompile\ncutoff_len: 2048\noutput_dir: saves/p2n\n"
-                      "per_device_train_batch_size: 8\ngradient_accumulation_steps: 8\nlearning_rate: 3.0e-6\n"
-                      "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr: 3.0e-7}\nfp16: true\n")
+    recipe.write_text(
+        "model_name_or_path: LLM4Binary/llm4decompile-6.7b-v2\nstage: sft\ndo_train: true\n"
+        "finetuning_type: full\ndeepspeed: ds_z2_config.json\ndataset: pseudo2norm\n"
+        "template: sk2decompile\ncutoff_len: 2048\noutput_dir: saves/p2n\n"
+        "per_device_train_batch_size: 8\ngradient_accumulation_steps: 8\nlearning_rate: 3.0e-6\n"
+        "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr: 3.0e-7}\nfp16: true\n"
+    )
     (tmp_path / "ds_z2_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     shutil.copy(FIXTURES / "cuda_oom_seed_v100.log", tmp_path / "nohup.out")
     profile = tmp_path / "v100-256g.yaml"
-    profile.write_text((Path(__file__).parents[1] / "catalog" / "hardware" / "v100-32g.yaml").read_text()
-                       .replace("ram_gib: 128", "ram_gib: 256"))
+    profile.write_text(
+        (Path(__file__).parents[1] / "catalog" / "hardware" / "v100-32g.yaml")
+        .read_text()
+        .replace("ram_gib: 128", "ram_gib: 256")
+    )
     # a hand-written recipe: its relative paths resolve against where llamafactory-cli runs (here: its folder)
-    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json", cwd=tmp_path)
+    result = run_lfa(
+        "doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", profile, "--json", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["failure"]["kind"] == "cuda_oom" and "offload" in report["remedy"]["plan"]
@@ -217,9 +243,13 @@ def test_doctor_writes_the_next_recipe_for_a_nohup_log(tmp_path):
     # the seed's own 128 GiB host without a disk for NVMe offload: nothing fits, exit 1 and no recipe written
     (tmp_path / "train.next.yaml").unlink()
     no_disk = tmp_path / "v100-no-disk.yaml"
-    no_disk.write_text("\n".join(line for line in (Path(__file__).parents[1] / "catalog" / "hardware" /
-                                                   "v100-32g.yaml").read_text().splitlines()
-                                 if not line.startswith("disk:")))
+    no_disk.write_text(
+        "\n".join(
+            line
+            for line in (Path(__file__).parents[1] / "catalog" / "hardware" / "v100-32g.yaml").read_text().splitlines()
+            if not line.startswith("disk:")
+        )
+    )
     stop = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", recipe, "--hardware", no_disk, cwd=tmp_path)
     assert stop.returncode == 1 and "no plan fits" in stop.stdout and not (tmp_path / "train.next.yaml").exists()
     (tmp_path / "fine.log").write_text("{'loss': 1.0}\ntraining finished\n")
@@ -236,8 +266,11 @@ def test_divergence_without_nan_is_seen_flat_at_uniform_or_rising(tmp_path):
 
     def watch(losses):
         log = tmp_path / "trainer_log.jsonl"
-        log.write_text("".join(json.dumps({"current_steps": i, "loss": x, "grad_norm": 1.0}) + "\n"
-                               for i, x in enumerate(losses, 1)))
+        log.write_text(
+            "".join(
+                json.dumps({"current_steps": i, "loss": x, "grad_norm": 1.0}) + "\n" for i, x in enumerate(losses, 1)
+            )
+        )
         watcher = TrainerLogWatcher(log)
         watcher.poll()
         return watcher.stalled(600)

@@ -1,6 +1,7 @@
 """The fault matrix (README): each fault through the real lfa train -> llamafactory-cli subprocess on the CPU, with
 injection only where a CPU cannot produce the fault (CUDA OOM, NaN weights); each test asserts what the user sees,
 what the ledger says and that no step or checkpoint is lost or trained twice."""
+
 import json
 import os
 import signal
@@ -17,8 +18,9 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
     recipe = cpu_recipe("max_steps=3")
     text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
     recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 1", text))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "5",
-                     env={"LFA_INJECT_OOM_ABOVE_MBS": "2"})
+    result = run_lfa(
+        "train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "5", env={"LFA_INJECT_OOM_ABOVE_MBS": "2"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     attempts = _ledger(tmp_path / "run")["attempts"]
     kinds = [(a.get("failure") or {}).get("kind") for a in attempts]
@@ -37,12 +39,15 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
     diff = page.split("first attempt against last")[1]
     assert "per_device_train_batch_size: 8 -&gt; 2" in diff
 
+
 def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=14", extra=("--save-steps", "4", "--logging-steps", "1"))
     run_dir = tmp_path / "run"
     supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.4"})
-    saved = lambda: any(e["event"] == "save" and e["global_step"] >= 4 for e in _events(run_dir)) and \
-        any(e["event"] == "step" and e["global_step"] >= 6 for e in _events(run_dir))
+    saved = lambda: (
+        any(e["event"] == "save" and e["global_step"] >= 4 for e in _events(run_dir))
+        and any(e["event"] == "step" and e["global_step"] >= 6 for e in _events(run_dir))
+    )
     assert _wait_for(saved), supervisor.communicate()[0]
     os.kill(_ledger(run_dir)["attempts"][0]["trainer_pid"], signal.SIGKILL)
     out, _ = supervisor.communicate(timeout=300)
@@ -55,6 +60,7 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_
     checkpoint_step = int(second["resumed_from"].rsplit("-", 1)[1])
     assert checkpoint_step >= 4 and second["first_step"] == checkpoint_step + 1
     assert second["last_step"] == 14
+
 
 @pytest.mark.parametrize("sent, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_signal_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path, sent, code):
@@ -71,15 +77,21 @@ def test_a_stop_signal_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path,
     assert stopped["status"] == "stopped" and stopped["returncode"] is not None and stopped["last_step"] >= 1
     assert stopped["duration_s"] > 0  # the stopped attempt's wall time counts
     pid = ledger["attempts"][0]["trainer_pid"]
-    assert _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30)
+    assert _wait_for(
+        lambda: not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], 30
+    )
     # the plugin saved the work since the last save (save_steps is 500) before stopping
     steps = [e["global_step"] for e in _events(run_dir) if e["event"] == "step"]
     saves = [e["global_step"] for e in _events(run_dir) if e["event"] == "save"]
     assert saves == [steps[-1]] and (recipe.parent / "saves" / "pseudo2norm" / f"checkpoint-{steps[-1]}").is_dir()
 
-SEED_OOM = next(line.split(": ", 1)[1] for line in
-                (REPO / "tests" / "fixtures" / "failures" / "cuda_oom_seed_v100.log").read_text().splitlines()
-                if line.startswith("torch.OutOfMemoryError"))
+
+SEED_OOM = next(
+    line.split(": ", 1)[1]
+    for line in (REPO / "tests" / "fixtures" / "failures" / "cuda_oom_seed_v100.log").read_text().splitlines()
+    if line.startswith("torch.OutOfMemoryError")
+)
+
 
 def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(cpu_recipe, tmp_path):
     """The seed's case: the paper's fp16 mbs8 x ga8 recipe on the 31.73 GiB card dies with the seed's own OOM line
@@ -92,11 +104,25 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     text = re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text)
     recipe.write_text(re.sub(r"(?m)^fp16: false", "fp16: true", text))
     profile = tmp_path / "v100-256g.yaml"  # the seed's RAM is unknown: 128 GiB fits no 6.7B plan (test_failures)
-    profile.write_text((REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text()
-                       .replace("ram_gib: 128", "ram_gib: 256"))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "2", "--hardware", profile,
-                     "--json", env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
-                                    "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
+    profile.write_text(
+        (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 256")
+    )
+    result = run_lfa(
+        "train",
+        recipe,
+        "--run-dir",
+        tmp_path / "run",
+        "--max-attempts",
+        "2",
+        "--hardware",
+        profile,
+        "--json",
+        env={
+            "LFA_INJECT_OOM_ABOVE_MBS": "4",
+            "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
+            "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2",
+        },
+    )
     first, second = _ledger(tmp_path / "run")["attempts"][:2]
     assert first["failure"]["kind"] == "cuda_oom", result.stdout + result.stderr
     assert first["failure"]["details"]["allocated_gib"] == 27.81
@@ -110,13 +136,21 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     zero = json.loads(ds_file.read_text())["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu"
 
+
 def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_value_lf_accepts(cpu_recipe, tmp_path):
     """Weights poisoned at step 6 (a real NaN loss follows): the checkpoint saved after it is set aside, the retry
     runs eager attention as LLaMA-Factory spells it (flash_attn: disabled) from checkpoint-5 and finishes."""
     recipe = cpu_recipe("max_steps=16", extra=("--save-steps", "5", "--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    result = run_lfa("train", recipe, "--run-dir", run_dir, "--max-attempts", "3",
-                     env={"LFA_INJECT_NAN_AT_STEP": "6", "LFA_STEP_DELAY_S": "0.3"})
+    result = run_lfa(
+        "train",
+        recipe,
+        "--run-dir",
+        run_dir,
+        "--max-attempts",
+        "3",
+        env={"LFA_INJECT_NAN_AT_STEP": "6", "LFA_STEP_DELAY_S": "0.3"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     first, second = _ledger(run_dir)["attempts"]
     assert first["failure"]["kind"] == "nan_loss" and first["remedy"]["action"] == "eager_attention"
@@ -127,6 +161,7 @@ def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_va
     logs = [r for r in _losses(output) if "loss" in r and r["current_steps"] > 5]
     finite = [r for r in logs if r["loss"] == r["loss"]]
     assert finite[-1]["current_steps"] == 16 and second["last_step"] == 16
+
 
 def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
@@ -160,6 +195,7 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     assert first["status"] == "supervisor died"
     assert second["resumed_from"].endswith(f"checkpoint-{saves[0]}") and second["first_step"] == saves[0] + 1
 
+
 def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe, tmp_path):
     import re
 
@@ -168,23 +204,51 @@ def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe
     recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text))
     # the seed's card and 128 GiB host without a local disk for NVMe offload
     no_disk = tmp_path / "v100-no-disk.yaml"
-    no_disk.write_text("\n".join(line for line in (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text()
-                                 .splitlines() if not line.startswith("disk:")))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4", "--hardware", no_disk,
-                     env={"LFA_INJECT_OOM_ABOVE_MBS": "4", "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
-                          "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2"})
+    no_disk.write_text(
+        "\n".join(
+            line
+            for line in (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().splitlines()
+            if not line.startswith("disk:")
+        )
+    )
+    result = run_lfa(
+        "train",
+        recipe,
+        "--run-dir",
+        tmp_path / "run",
+        "--max-attempts",
+        "4",
+        "--hardware",
+        no_disk,
+        env={
+            "LFA_INJECT_OOM_ABOVE_MBS": "4",
+            "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
+            "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2",
+        },
+    )
     attempts = _ledger(tmp_path / "run")["attempts"]
     assert result.returncode == 1 and len(attempts) == 1, result.stdout + result.stderr
     assert attempts[0]["remedy"]["action"] == "no_plan_fits"
     assert "no plan fits" in result.stderr and "GiB of host RAM" in result.stderr and "Traceback" not in result.stderr
 
+
 def test_set_on_plan_keys_feeds_the_plan_that_remedies_start_from(cpu_recipe, tmp_path):
     """--set per_device_train_batch_size=4 with an OOM above 2: the remedy halves the micro-batch that ran (4 -> 2),
     and its change wins over the --set on the retry (no identical attempts)."""
     recipe = cpu_recipe("max_steps=2")
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "4",
-                     "--set", "per_device_train_batch_size=4", "--set", "gradient_accumulation_steps=2",
-                     env={"LFA_INJECT_OOM_ABOVE_MBS": "2"})
+    result = run_lfa(
+        "train",
+        recipe,
+        "--run-dir",
+        tmp_path / "run",
+        "--max-attempts",
+        "4",
+        "--set",
+        "per_device_train_batch_size=4",
+        "--set",
+        "gradient_accumulation_steps=2",
+        env={"LFA_INJECT_OOM_ABOVE_MBS": "2"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     attempts = _ledger(tmp_path / "run")["attempts"]
     assert attempts[0]["plan"].split("/")[1] == "mbs4xga2x1"
@@ -192,19 +256,27 @@ def test_set_on_plan_keys_feeds_the_plan_that_remedies_start_from(cpu_recipe, tm
     assert attempts[-1]["overrides"]["gradient_accumulation_steps"] == 4
     assert len({a["plan"] for a in attempts}) == len(attempts) == 2
 
+
 def test_bad_input_gets_one_message_and_no_background_run(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=2")
     text = recipe.read_text()
     recipe.write_text(text.replace("\nlearning_rate:", "\nlearing_rate:"))
     detached = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--detach")
-    assert detached.returncode == 2 and "learing_rate" in detached.stderr and "did you mean `learning_rate`" in detached.stderr
+    assert (
+        detached.returncode == 2
+        and "learing_rate" in detached.stderr
+        and "did you mean `learning_rate`" in detached.stderr
+    )
     assert not (tmp_path / "run" / "supervisor.pid").exists()
     import re
 
     recipe.write_text(re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: abc", text))
-    for args in (("train", recipe, "--run-dir", tmp_path / "run2"), ("estimate", recipe),
-                 ("generate", "--task", "pseudo2norm", "--hardware", "h200", "--set", "cutoff_len=abc", "-o", tmp_path / "g"),
-                 ("train", recipe, "--max-attempts", "0")):
+    for args in (
+        ("train", recipe, "--run-dir", tmp_path / "run2"),
+        ("estimate", recipe),
+        ("generate", "--task", "pseudo2norm", "--hardware", "h200", "--set", "cutoff_len=abc", "-o", tmp_path / "g"),
+        ("train", recipe, "--max-attempts", "0"),
+    ):
         result = run_lfa(*args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
     # a damaged ledger is reported, the other runs are still listed, and JSON never holds a bare NaN
@@ -219,6 +291,7 @@ def test_bad_input_gets_one_message_and_no_background_run(cpu_recipe, tmp_path):
     assert status.returncode == 1 and {r["state"] for r in rows} == {"succeeded", "unreadable"}
     assert "NaN" not in status.stdout
 
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MiB tmpfs: a real full disk on the CPU (needs root, as CI runs; skipped where mount is not allowed)."""
@@ -228,6 +301,7 @@ def small_disk(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
 
 def test_full_disks_give_one_message_and_a_ledger_that_says_so(cpu_recipe, tmp_path, small_disk):
     import re
@@ -257,11 +331,13 @@ def test_full_disks_give_one_message_and_a_ledger_that_says_so(cpu_recipe, tmp_p
     full = run_lfa("train", recipe, "--run-dir", small_disk / "run")
     assert full.returncode == 1 and "disk is full" in full.stderr and "Traceback" not in full.stderr, full.stderr
 
+
 def test_loss_stuck_at_ln_vocab_is_stopped_with_stop_on_divergence(cpu_recipe, tmp_path):
     """A real divergence without NaN (learning rate 1e4 on the tiny model): the loss sits at ln(vocab)."""
     recipe = cpu_recipe("max_steps=40", "learning_rate=1.0e+4", extra=("--logging-steps", "1"))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "1", "--stop-on-divergence",
-                     "--json")
+    result = run_lfa(
+        "train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "1", "--stop-on-divergence", "--json"
+    )
     [attempt] = _ledger(tmp_path / "run")["attempts"]
     assert attempt["failure"]["kind"] == "loss_diverged", result.stdout[-2000:]
     assert attempt["last_step"] < 40 and "ln(vocab)" in attempt["divergence_warning"]

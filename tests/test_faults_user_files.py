@@ -1,6 +1,7 @@
 """The second fault matrix (issue 23): lfa never touches what the user owns, never resumes the wrong thing
 silently, and the figures it prints come from the data. Real `lfa train` -> `llamafactory-cli` where a trainer is
 involved."""
+
 import hashlib
 import json
 import re
@@ -15,8 +16,11 @@ from conftest import _events, _ledger, _start_train, _wait_for, run_lfa
 
 
 def _tree_digest(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _set_output_dir(recipe: Path, value) -> None:
@@ -34,8 +38,11 @@ def test_output_dirs_lfa_did_not_create_are_refused_and_left_untouched(cpu_recip
     _set_output_dir(recipe, user)
     result = run_lfa("train", recipe, "--run-dir", tmp_path / "run")
     assert result.returncode == 2 and str(user) in result.stderr and "README.md" in result.stderr, result.stderr
-    assert _tree_digest(user) == before and sorted(p.name for p in user.iterdir()) == ["README.md", "checkpoint-99",
-                                                                                       "config.json"]
+    assert _tree_digest(user) == before and sorted(p.name for p in user.iterdir()) == [
+        "README.md",
+        "checkpoint-99",
+        "config.json",
+    ]
     review = run_lfa("review", recipe, "--format", "json")
     assert "output_dir_not_empty" in review.stdout
     # the root, the recipe's parent folders: refused before anything is written there
@@ -55,9 +62,11 @@ def test_output_dirs_lfa_did_not_create_are_refused_and_left_untouched(cpu_recip
 
 def test_recipes_with_yaml_aliases_or_megabytes_are_refused_at_once(tmp_path):
     laughs = tmp_path / "laughs.yaml"
-    laughs.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)) +
-        "output_dir: out\n")
+    laughs.write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+        + "output_dir: out\n"
+    )
     started = time.time()
     result = run_lfa("train", laughs, "--run-dir", tmp_path / "run", timeout=60)
     assert result.returncode == 2 and "alias" in result.stderr and time.time() - started < 30
@@ -73,8 +82,9 @@ def test_bad_dataset_lines_are_named_before_anything_starts_in_train_and_detach(
     data = recipe.parent / info["pseudo2norm"]["file_name"]
     rows = data.read_bytes().splitlines()
     broken = tmp_path / "broken.jsonl"
-    broken.write_bytes(b"\n".join(rows[:9] + [b"{not json", b'{"instruction": "", "input": "x"}', b"\xff\xfe{}"]
-                                  + rows[9:20]) + b"\n")
+    broken.write_bytes(
+        b"\n".join(rows[:9] + [b"{not json", b'{"instruction": "", "input": "x"}', b"\xff\xfe{}"] + rows[9:20]) + b"\n"
+    )
     info["pseudo2norm"]["file_name"] = str(broken)
     (recipe.parent / "dataset_info.json").write_text(json.dumps(info))
     for extra in ((), ("--detach",)):
@@ -125,8 +135,9 @@ def test_torn_checkpoints_are_set_aside_and_the_one_before_is_resumed(tmp_path):
     (tmp_path / "checkpoint-8" / "trainer_state.json").write_text('{"global_st')  # truncated by a crash
     assert not is_complete_checkpoint(tmp_path / "checkpoint-8")
     assert newest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
-    assert not (tmp_path / "checkpoint-8").exists() and any(p.name.startswith("incomplete-checkpoint-8")
-                                                            for p in tmp_path.iterdir())
+    assert not (tmp_path / "checkpoint-8").exists() and any(
+        p.name.startswith("incomplete-checkpoint-8") for p in tmp_path.iterdir()
+    )
     (tmp_path / "checkpoint-4" / "optimizer.pt").write_bytes(b"")
     assert not is_complete_checkpoint(tmp_path / "checkpoint-4")
 
@@ -156,8 +167,12 @@ def test_printed_step_counts_follow_the_trainer_and_unexplained_kills_are_not_ho
 def _mount_tmpfs(folder, size_kib: int) -> bool:
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)], capture_output=True
+            ).returncode
+            == 0
+        )
     except OSError:
         return False
 
@@ -173,8 +188,7 @@ def _fill(folder) -> None:
             pass
 
 
-def test_a_full_disk_under_the_run_folder_loses_log_lines_not_the_training_and_the_ledger_is_kept(cpu_recipe,
-                                                                                                  tmp_path):
+def test_a_full_disk_under_the_run_folder_loses_log_lines_not_the_training_and_the_ledger_is_kept(cpu_recipe, tmp_path):
     """Case 6: the run folder's disk fills mid-run (a real tmpfs, filled by this test). The trainer's log output and
     events are dropped instead of killing it, training reaches its end and saves (output_dir is on another disk),
     and the ledger is still written (lfa holds some room for it from the start)."""
@@ -191,8 +205,12 @@ def test_a_full_disk_under_the_run_folder_loses_log_lines_not_the_training_and_t
         assert "Traceback" not in out and "unknown" not in out
         ledger = _ledger(run_dir)
         assert ledger["status"] == "succeeded" and ledger["attempts"][0]["returncode"] == 0
-        assert json.loads((recipe.parent / "saves" / "pseudo2norm" / "trainer_log.jsonl").read_text()
-                          .splitlines()[-1])["current_steps"] == 30
+        assert (
+            json.loads((recipe.parent / "saves" / "pseudo2norm" / "trainer_log.jsonl").read_text().splitlines()[-1])[
+                "current_steps"
+            ]
+            == 30
+        )
         # the events after the fill were dropped (the last line written may be cut off)
         assert (run_dir / "events.jsonl").read_text().count('"event": "step"') < 30
     finally:

@@ -52,8 +52,17 @@ def test_catalog_shape_matches_published_size():
 
 
 def test_generated_recipe_is_valid_yaml_with_real_floats_and_comments(tmp_path):
-    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2",
-                     "--hardware", "dgx-a100-80g", "-o", tmp_path / "r")
+    result = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "--hardware",
+        "dgx-a100-80g",
+        "-o",
+        tmp_path / "r",
+    )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "r" / "train.yaml").read_text()
     data = yaml.safe_load(text)
@@ -63,7 +72,11 @@ def test_generated_recipe_is_valid_yaml_with_real_floats_and_comments(tmp_path):
     assert data["per_device_train_batch_size"] * data["gradient_accumulation_steps"] * 8 == 64
     assert "# precision:" in text and "# batch:" in text
     launch = (tmp_path / "r" / "launch.sh").read_text()
-    assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="8"' in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+    assert (
+        'FORCE_TORCHRUN="1"' in launch
+        and 'NPROC_PER_NODE="8"' in launch
+        and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+    )
     info = json.loads((tmp_path / "r" / "dataset_info.json").read_text())
     assert info["pseudo2norm"]["columns"] == {"prompt": "instruction", "query": "input", "response": "output"}
 
@@ -82,12 +95,15 @@ def test_golden_check_reports_drift(tmp_path):
     assert any("learning_rate" in line for line in drift)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--task", "nope", "--hardware", "cpu"], "unknown task 'nope'"),
-    (["--task", "pseudo2norm", "--hardware", "cpu", "--model", "/no/such/model"], "does not exist"),
-    (["--task", "pseudo2norm", "--hardware", "cpu", "--dataset", "/no/such.jsonl"], "does not exist"),
-    (["--task", "pseudo2norm", "--hardware", "no-such-profile"], "no hardware profile"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "nope", "--hardware", "cpu"], "unknown task 'nope'"),
+        (["--task", "pseudo2norm", "--hardware", "cpu", "--model", "/no/such/model"], "does not exist"),
+        (["--task", "pseudo2norm", "--hardware", "cpu", "--dataset", "/no/such.jsonl"], "does not exist"),
+        (["--task", "pseudo2norm", "--hardware", "no-such-profile"], "no hardware profile"),
+    ],
+)
 def test_bad_input_is_one_clear_error_exit_2(tmp_path, args, message):
     result = run_lfa("generate", *args, "-o", tmp_path / "out")
     assert result.returncode == 2
@@ -106,8 +122,17 @@ def test_unreadable_dataset_and_bad_profile_file(tmp_path):
 
 
 def test_existing_recipe_is_not_overwritten_without_force(tmp_path):
-    args = ["generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware", "h200",
-            "-o", tmp_path / "r"]
+    args = [
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "--hardware",
+        "h200",
+        "-o",
+        tmp_path / "r",
+    ]
     assert run_lfa(*args).returncode == 0
     again = run_lfa(*args)
     assert again.returncode == 2 and "--force" in again.stderr
@@ -117,6 +142,13 @@ def test_detect_reports_cpu_and_saves_a_loadable_profile(tmp_path):
     result = run_lfa("detect", "--json", "--no-network", "--save", tmp_path / "me.yaml")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report["software"]) >= {"llamafactory", "transformers", "torch", "deepspeed", "liger-kernel", "flash-attn"}
+    assert set(report["software"]) >= {
+        "llamafactory",
+        "transformers",
+        "torch",
+        "deepspeed",
+        "liger-kernel",
+        "flash-attn",
+    }
     loaded = load_profile(str(tmp_path / "me.yaml"))
     assert loaded.gpus_per_node == report["profile"]["gpus_per_node"]

@@ -1,5 +1,6 @@
 """The per-step GPU sampler (lf_adapter/plugin/gpu_stats.py). No GPU here: an object with pynvml's names stands in
 for the driver, serving a sample buffer as NVML does (samples newer than the timestamp asked for)."""
+
 from __future__ import annotations
 
 import time

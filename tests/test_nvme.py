@@ -1,5 +1,6 @@
 """A plan for every card (issue 25): the disk as a memory tier (NVMe offload, ZeRO-3), memory-light optimizers as
 opt-in plans, one-GPU DeepSpeed only for offload, and what each sharding strategy divides."""
+
 import dataclasses
 import json
 import shutil
@@ -8,13 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_lfa
-
 from lf_adapter import UserError
 from lf_adapter.hardware import DiskSpec, load_profile, measure_disk, profile_from_dict
 from lf_adapter.memory import GIB, coefficients, disk_gib, estimate, host_memory, nvme_settings
 from lf_adapter.model_spec import load_model_spec
 from lf_adapter.plan import Plan
-from lf_adapter.planner import ruled_out_optimizers, PlanOptions, candidate_plans, machine_options, plan
+from lf_adapter.planner import PlanOptions, candidate_plans, machine_options, plan, ruled_out_optimizers
 from lf_adapter.throughput import predict_tokens_per_s
 
 SIX_7B = "LLM4Binary/llm4decompile-6.7b-v2"
@@ -31,8 +31,9 @@ def _profile_without_disk(tmp_path: Path, ram_gib: int = 128) -> Path:
 @pytest.mark.parametrize("ram_gib", [128, 64])
 def test_the_seed_card_gets_an_exact_fp16_nvme_plan_with_batch_64_and_its_wall_time(tmp_path, ram_gib):
     profile = tmp_path / "v100.yaml"
-    profile.write_text((REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text()
-                       .replace("ram_gib: 128", f"ram_gib: {ram_gib}"))
+    profile.write_text(
+        (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", f"ram_gib: {ram_gib}")
+    )
     result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", profile, "-o", tmp_path / "r", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -50,18 +51,30 @@ def test_the_seed_card_gets_an_exact_fp16_nvme_plan_with_batch_64_and_its_wall_t
     assert zero["sub_group_size"] == int(coefficients()["nvme"]["sub_group_size"]) and ds["aio"]["block_size"] > 0
     assert "optimizer" in ds  # CPU Adam steps the swapped states
     recipe = (tmp_path / "r" / "train.yaml").read_text()
-    assert "fp16: true" in recipe and "bf16: true" not in recipe and "use_badam" not in recipe and "optim:" not in recipe
+    assert (
+        "fp16: true" in recipe and "bf16: true" not in recipe and "use_badam" not in recipe and "optim:" not in recipe
+    )
 
 
 def test_without_a_disk_or_room_on_it_nothing_exact_fits_and_the_message_says_how_to_declare_one(tmp_path):
-    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", _profile_without_disk(tmp_path),
-                     "-o", tmp_path / "r")
+    result = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", _profile_without_disk(tmp_path), "-o", tmp_path / "r"
+    )
     assert result.returncode == 2 and not (tmp_path / "r" / "train.yaml").exists()
     assert "declare it in the profile as disk" in result.stderr and "lfa detect --measure-disk" in result.stderr
     assert "what runs on this machine" in result.stderr and "badam" in result.stderr  # opt-in shown, not chosen
     assert "Traceback" not in result.stderr
-    small = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--nvme-path", tmp_path / "swap",
-                    "-o", tmp_path / "s")
+    small = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "v100-32g",
+        "--nvme-path",
+        tmp_path / "swap",
+        "-o",
+        tmp_path / "s",
+    )
     free = shutil.disk_usage(tmp_path).free / GIB
     if free * 0.9 < 100:  # this machine's disk cannot hold the 6.7B's 100 GiB of swapped states
         assert small.returncode == 2 and "free at the swap folder" in small.stderr
@@ -81,8 +94,9 @@ def test_nvme_offload_is_priced_for_gpu_host_and_disk_and_its_step_streams_at_th
     # pinned swap buffers follow the rendered sub-group size
     settings = nvme_settings(model)
     host = host_memory(model, nvme, hardware).items
-    assert host["pinned fp32 NVMe swap buffers (optimizer) x ranks"] == \
-        pytest.approx(settings.optimizer_buffer_count * settings.sub_group_size * 4 / GIB)
+    assert host["pinned fp32 NVMe swap buffers (optimizer) x ranks"] == pytest.approx(
+        settings.optimizer_buffer_count * settings.sub_group_size * 4 / GIB
+    )
     assert settings.param_buffer_size >= model.embedding_params  # DeepSpeed needs the largest tensor to fit
     # a disk half as fast makes the step slower by its share of 32 B/param
     slow = dataclasses.replace(hardware, disk=dataclasses.replace(hardware.disk, read_gbs=0.95, write_gbs=1.1))
@@ -123,8 +137,13 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     model, hardware = load_model_spec(SIX_7B), load_profile("v100-32g")
     exact = plan(model, hardware, 64, 2048, PlanOptions(fixed={"precision": "fp16"}, liger_available=False))
     assert not exact.chosen.plan.changes_optimizer
-    opted = plan(model, hardware, 64, 2048, PlanOptions(fixed={"precision": "fp16"}, liger_available=False,
-                                                        allow_optimizer_change=True))
+    opted = plan(
+        model,
+        hardware,
+        64,
+        2048,
+        PlanOptions(fixed={"precision": "fp16"}, liger_available=False, allow_optimizer_change=True),
+    )
     assert opted.chosen.tokens_per_s >= exact.chosen.tokens_per_s
     listed = machine_options(exact.priced)
     rows = {o.candidate.plan.optimizer: o for o in listed if o.kind != "exact"}
@@ -138,8 +157,9 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     small = dataclasses.replace(a100, gpu=dataclasses.replace(a100.gpu, vram_gib=20.0))
     assert plan(model, small, 64, 2048, PlanOptions(allow_optimizer_change=True)).chosen.plan.optimizer != "badam"
     eight = estimate(model, Plan("fp16", 1, 64, optimizer="adamw_8bit"), 2048, None).items
-    assert eight["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] == \
-        pytest.approx((2 + 8 / 256) * model.num_params / GIB)
+    assert eight["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] == pytest.approx(
+        (2 + 8 / 256) * model.num_params / GIB
+    )
     assert eight["weights (fp32)"] == eight["gradients (fp32)"]  # 8-bit moments alone leave fp32 weights and grads
     badam = estimate(model, Plan("fp16", 1, 64, optimizer="badam"), 2048, None).items
     assert badam["weights (bfloat16 as loaded, BAdam: no fp32 upcast)"] == pytest.approx(2 * model.num_params / GIB)
@@ -152,8 +172,20 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     assert not any(k.startswith("autocast") for k in same_dtype.items)
     assert same_dtype.allocated_gib == pytest.approx(sum(badam.values()) - copies)
     # rendered with LLaMA-Factory's keys and read back to the same plan; review flags the change
-    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=adamw_8bit",
-                     "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "e", "--json")
+    result = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "v100-32g",
+        "--pin",
+        "optimizer=adamw_8bit",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "-o",
+        tmp_path / "e",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "e" / "train.yaml").read_text()
     assert "optim: adamw_bnb_8bit" in text and "CHANGES WHAT IS TRAINED" in text
@@ -162,20 +194,45 @@ def test_memory_light_optimizers_are_priced_rendered_flagged_and_never_chosen_wi
     assert plan_from_recipe(load_recipe(tmp_path / "e" / "train.yaml"), hardware).optimizer == "adamw_8bit"
     review = run_lfa("review", tmp_path / "e" / "train.yaml", "--format", "json")
     assert "optimizer_changed" in review.stdout
-    refused = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=badam",
-                      "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "r")
+    refused = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "v100-32g",
+        "--pin",
+        "optimizer=badam",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "-o",
+        tmp_path / "r",
+    )
     assert refused.returncode == 2 and "badam_needs_bf16" in refused.stderr and not (tmp_path / "r").exists()
-    badam_recipe = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "a100-80g", "--pin", "optimizer=badam",
-                           "--model", "LLM4Binary/llm4decompile-1.3b-v2", "-o", tmp_path / "b")
+    badam_recipe = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "a100-80g",
+        "--pin",
+        "optimizer=badam",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "-o",
+        tmp_path / "b",
+    )
     assert badam_recipe.returncode == 0 and "use_badam: true" in (tmp_path / "b" / "train.yaml").read_text()
-    bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=lion",
-                  "-o", tmp_path / "x")
+    bad = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", "v100-32g", "--pin", "optimizer=lion", "-o", tmp_path / "x"
+    )
     assert bad.returncode == 2 and "adamw_8bit" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_profiles_load_their_disk_strictly_and_detect_measures_one(tmp_path):
     base = {"name": "x", "gpus_per_node": 1, "gpu": {"name": "g", "vram_gib": 30, "compute_capability": "8.0"}}
-    disk = profile_from_dict({**base, "disk": {"path": "/nvme", "free_gib": 500, "read_gbs": 3.0, "write_gbs": 2.0}}).disk
+    disk = profile_from_dict(
+        {**base, "disk": {"path": "/nvme", "free_gib": 500, "read_gbs": 3.0, "write_gbs": 2.0}}
+    ).disk
     assert disk == DiskSpec("/nvme", 500.0, 3.0, 2.0)
     with pytest.raises(UserError, match="did you mean 'disk.read_gbs'"):
         profile_from_dict({**base, "disk": {"path": "/nvme", "free_gib": 500, "read_gb": 3.0}})
@@ -196,7 +253,8 @@ def test_doctor_replans_the_papers_bf16_recipe_for_the_v100_as_an_fp16_nvme_plan
         "deepspeed: examples/ds_z2_config.json\ndataset: pseudo2norm\ndataset_dir: data\ntemplate: sk2decompile\n"
         "cutoff_len: 2048\noutput_dir: saves/p2n\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 8\n"
         "learning_rate: 3.0e-6\nlr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr: 3.0e-7}\n"
-        "bf16: true\n")
+        "bf16: true\n"
+    )
     # a fork's layout: paths relative to where llamafactory-cli runs (the fork's root), not to the recipe
     fork = tmp_path / "fork"
     (fork / "examples").mkdir(parents=True)
@@ -208,8 +266,7 @@ def test_doctor_replans_the_papers_bf16_recipe_for_the_v100_as_an_fp16_nvme_plan
     recipe.parent.mkdir()
     recipe.write_text((tmp_path / "train.yaml").read_text())
     shutil.copy(FIXTURES / "cuda_oom_seed_v100.log", tmp_path / "nohup.out")
-    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", "train/p2n.yaml", "--hardware", "v100-32g",
-                     cwd=fork)
+    result = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", "train/p2n.yaml", "--hardware", "v100-32g", cwd=fork)
     assert result.returncode == 0, result.stdout + result.stderr
     written = (fork / "train" / "p2n.next.yaml").read_text()
     assert "fp16: true" in written and "bf16: true" not in written and "no native bf16" in result.stdout
@@ -218,8 +275,9 @@ def test_doctor_replans_the_papers_bf16_recipe_for_the_v100_as_an_fp16_nvme_plan
     shutil.copytree(fork / "data", flat / "data")
     shutil.copy(fork / "examples" / "ds_z2_config.json", flat / "ds_z2_config.json")
     (flat / "train.yaml").write_text((tmp_path / "train.yaml").read_text().replace("examples/", ""))
-    again = run_lfa("doctor", tmp_path / "nohup.out", "--recipe", flat / "train.yaml", "--hardware", "v100-32g",
-                    cwd=flat)
+    again = run_lfa(
+        "doctor", tmp_path / "nohup.out", "--recipe", flat / "train.yaml", "--hardware", "v100-32g", cwd=flat
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     from lf_adapter.recipe.read import load_recipe, plan_from_recipe
 

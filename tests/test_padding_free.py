@@ -1,4 +1,5 @@
 """Padding-free training is exact: one step's loss and gradients equal the padded step's, and no row sees another."""
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,8 +12,15 @@ def _tiny_model(kv_heads=4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).float()
 
 
@@ -75,9 +83,16 @@ def test_no_row_sees_another_and_no_label_crosses_a_boundary():
         labels = flat["labels"][0]
         assert labels[9] == -100 and labels[16] == -100  # each row's first token is no target
         with torch.no_grad():
-            logits.append(model(input_ids=flat["input_ids"], position_ids=flat["position_ids"],
-                                cu_seq_lens_q=flat["cu_seq_lens_q"], cu_seq_lens_k=flat["cu_seq_lens_k"],
-                                max_length_q=flat["max_length_q"], max_length_k=flat["max_length_k"]).logits[0])
+            logits.append(
+                model(
+                    input_ids=flat["input_ids"],
+                    position_ids=flat["position_ids"],
+                    cu_seq_lens_q=flat["cu_seq_lens_q"],
+                    cu_seq_lens_k=flat["cu_seq_lens_k"],
+                    max_length_q=flat["max_length_q"],
+                    max_length_k=flat["max_length_k"],
+                ).logits[0]
+            )
     assert not torch.allclose(logits[0][:9], logits[1][:9])  # the changed row changed
     assert torch.equal(logits[0][9:], logits[1][9:])  # the other rows did not see it
     # and without the boundaries (plain causal attention over the flat sequence) they would have
@@ -120,8 +135,10 @@ def test_through_the_real_trainer_padding_free_trains_the_same_steps_as_padded(c
     assert [e["flat_micro_batches"] for e in steps["flat"]] == [2, 2, 2, 2]  # 8 rows per step, 4 per micro-batch
     assert [e["flat_micro_batches"] for e in steps["padded"]] == [0, 0, 0, 0]
     assert [e["step_tokens"] for e in steps["flat"]] == [e["step_tokens"] for e in steps["padded"]]
-    losses = {name: [r["loss"] for r in _losses(recipe.parent / "saves" / "pseudo2norm") if "loss" in r]
-              for name, recipe in (("padded", padded), ("flat", flat))}
+    losses = {
+        name: [r["loss"] for r in _losses(recipe.parent / "saves" / "pseudo2norm") if "loss" in r]
+        for name, recipe in (("padded", padded), ("flat", flat))
+    }
     assert len(losses["flat"]) == 4
     assert all(abs(a - b) < 1e-4 for a, b in zip(losses["flat"], losses["padded"])), losses
     assert "lfa: padding-free" in (tmp_path / "flat" / "attempt-1.log").read_text()

@@ -1,4 +1,5 @@
 """The throughput features lfa's plugin adds inside LLaMA-Factory: sorted steps and training without a padding mask."""
+
 import json
 import random
 
@@ -25,8 +26,8 @@ def test_sorted_steps_keep_each_steps_rows_and_sort_inside_the_step():
     plain = list(range(203))
     random.Random(42 * 1_000_003 + 3).shuffle(plain)
     for start in range(0, 203, 16):
-        step = order[start:start + 16]
-        assert set(step) == set(plain[start:start + 16])  # the rows a random sampler gives this step
+        step = order[start : start + 16]
+        assert set(step) == set(plain[start : start + 16])  # the rows a random sampler gives this step
         assert [lengths[i] for i in step] == sorted((lengths[i] for i in step), reverse=True)
     assert order == sorted_step_order(lengths, 16, 42, 3)  # resume skips the same rows
     assert order != sorted_step_order(lengths, 16, 42, 4)
@@ -37,13 +38,25 @@ def test_dropping_the_padding_mask_of_a_right_padded_batch_changes_nothing(atten
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, attn_implementation=attention))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            attn_implementation=attention,
+        )
+    )
     ids = torch.randint(3, 50, (3, 12))
     mask = torch.ones_like(ids)
     mask[0, 7:] = 0
     mask[2, 10:] = 0
-    batch = {"input_ids": ids.masked_fill(mask == 0, 2), "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    batch = {
+        "input_ids": ids.masked_fill(mask == 0, 2),
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100),
+    }
     reference = model(**batch).loss
     reference.backward()
     reference_grads = [p.grad.clone() for p in model.parameters()]
@@ -57,17 +70,28 @@ def test_dropping_the_padding_mask_of_a_right_padded_batch_changes_nothing(atten
 
 
 def test_left_padded_or_multimodal_batches_keep_their_mask():
-    left = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
+    left = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]),
+    }
     assert not drop_right_padding_mask(left) and left["attention_mask"] is not None
-    vision = {"input_ids": torch.ones(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long),
-              "pixel_values": torch.zeros(1, 3)}
+    vision = {
+        "input_ids": torch.ones(1, 4, dtype=torch.long),
+        "attention_mask": torch.ones(1, 4, dtype=torch.long),
+        "pixel_values": torch.zeros(1, 3),
+    }
     assert not drop_right_padding_mask(vision)
 
 
 def test_capped_h200_plan_is_the_one_the_seed_benchmark_measured():
     # bench/results/h200_session9 runs C and D measured this plan (29,559-30,061 tok/s, 26.71 GiB at a 31.73 cap)
-    result = plan(load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200-capped-32g"), 64, 2048,
-                  PlanOptions(fixed={"precision": "fp16"}, mean_seq_fraction=1475 / 2048))
+    result = plan(
+        load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"),
+        load_profile("h200-capped-32g"),
+        64,
+        2048,
+        PlanOptions(fixed={"precision": "fp16"}, mean_seq_fraction=1475 / 2048),
+    )
     chosen = result.chosen.plan
     assert chosen.label() == "fp16/mbs8xga8x1/gc/liger/sdpa/sorted"
     assert chosen.alloc_conf == "expandable_segments:True"
@@ -88,7 +112,9 @@ def test_compute_bound_card_skips_recompute_and_fast_card_batches_up():
 
 def test_offload_deepspeed_config_names_an_optimizer():
     offload = json.loads(render_deepspeed(Plan("bf16", 4, 16, sharding="zero2", offload="optimizer"))[1])
-    assert offload["optimizer"]["type"] == "AdamW" and offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert (
+        offload["optimizer"]["type"] == "AdamW" and offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    )
     assert "optimizer" not in json.loads(render_deepspeed(Plan("bf16", 4, 16, sharding="zero3"))[1])
 
 
@@ -99,16 +125,42 @@ def test_yaml_values_survive_the_round_trip_through_llamafactory_yaml():
 
 
 def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
-    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware",
-                     "h200", "--pin", "deepspeed=zero3", "--pin", "offload=none", "-o", tmp_path / "z3", "--json")
+    result = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        "LLM4Binary/llm4decompile-1.3b-v2",
+        "--hardware",
+        "h200",
+        "--pin",
+        "deepspeed=zero3",
+        "--pin",
+        "offload=none",
+        "-o",
+        tmp_path / "z3",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     assert "/zero3/" in json.loads(result.stdout)["plan"] and (tmp_path / "z3" / "ds_zero3.json").is_file()
     assert 'FORCE_TORCHRUN="1"' in (tmp_path / "z3" / "launch.sh").read_text()
-    bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "deepspeed=zero9",
-                  "-o", tmp_path / "bad")
+    bad = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "deepspeed=zero9", "-o", tmp_path / "bad"
+    )
     assert bad.returncode == 2 and "zero2, zero3 or none" in bad.stderr and "Traceback" not in bad.stderr
-    none = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--model", "Qwen/Qwen2.5-Coder-0.5B",
-                   "--pin", "deepspeed=zero2", "-o", tmp_path / "none")
+    none = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "cpu",
+        "--model",
+        "Qwen/Qwen2.5-Coder-0.5B",
+        "--pin",
+        "deepspeed=zero2",
+        "-o",
+        tmp_path / "none",
+    )
     assert none.returncode == 2 and "matches the pinned fields" in none.stderr
 
 
@@ -122,18 +174,24 @@ def test_liger_never_meets_zero3_in_plans_or_retries():
         for candidate in [result.chosen] + result.runners_up + result.rejected:
             assert not (candidate.plan.liger and candidate.plan.deepspeed == "zero3"), candidate.plan.label()
     oom = classify(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."], 1)
-    attempt, tried = Attempt(Plan("bf16", 1, 16, world_size=4, liger=True, sharding="zero2", offload="optimizer")), set()
+    attempt, tried = (
+        Attempt(Plan("bf16", 1, 16, world_size=4, liger=True, sharding="zero2", offload="optimizer")),
+        set(),
+    )
     while (remedy := next_remedy(attempt, oom, Context(load_profile("a40x4")), tried)) is not None:
         attempt = remedy.attempt
         assert not (attempt.plan.liger and attempt.plan.deepspeed == "zero3"), remedy.why
     assert attempt.plan.deepspeed == "zero3" and not attempt.plan.liger
 
 
-@pytest.mark.parametrize("plan_", [
-    Plan("bf16", 16, 4, gradient_checkpointing=False, liger=True, sorted_steps=True),
-    Plan("fp16", 8, 8, world_size=4, sharding="zero2", offload="optimizer", packing=True),
-    Plan("bf16", 64, 1, sharding="zero3", offload="all", attention="eager", launcher="ray"),
-])
+@pytest.mark.parametrize(
+    "plan_",
+    [
+        Plan("bf16", 16, 4, gradient_checkpointing=False, liger=True, sorted_steps=True),
+        Plan("fp16", 8, 8, world_size=4, sharding="zero2", offload="optimizer", packing=True),
+        Plan("bf16", 64, 1, sharding="zero3", offload="all", attention="eager", launcher="ray"),
+    ],
+)
 def test_a_plan_label_reads_back_into_the_same_plan(plan_):
     # the bench tables store plans as labels; calibration_table.py and model_check.py rebuild the plans from them
     assert Plan.from_label(plan_.label()) == plan_
@@ -144,9 +202,13 @@ def test_one_gpu_deepspeed_costs_what_the_h200_measured():
     # 87.4 / 103.3 / 71.9 GiB reserved. The planner must rank them that way and size them near the measurements.
     from lf_adapter.memory import estimate
     from lf_adapter.throughput import predict_tokens_per_s
+
     spec, h200 = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200")
-    labels = ["bf16/mbs16xga4x1/nogc/liger/sdpa/sorted", "bf16/mbs16xga4x1/nogc/sdpa/zero3/sorted",
-              "bf16/mbs64xga1x1/gc/sdpa/zero3-offload-all/sorted"]
+    labels = [
+        "bf16/mbs16xga4x1/nogc/liger/sdpa/sorted",
+        "bf16/mbs16xga4x1/nogc/sdpa/zero3/sorted",
+        "bf16/mbs64xga1x1/gc/sdpa/zero3-offload-all/sorted",
+    ]
     plans = [Plan.from_label(label, alloc_conf="expandable_segments:True") for label in labels]
     speed = [predict_tokens_per_s(spec, p, h200, 2048, 1475 / 2048) for p in plans]
     assert speed[0] > speed[1] > speed[2]

@@ -1,4 +1,5 @@
 """lfa report, the summary block, lfa status's table: on synthetic run folders (fast) and on real runs (the demo)."""
+
 import json
 import os
 import re
@@ -8,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_lfa
-
 from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
 from lf_adapter.run.report import FIGURES, collect, summary_lines, write_report
 
@@ -29,19 +29,48 @@ def _run_folder(tmp_path: Path, *, status="failed", supervisor_pid=None, steps=(
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
     t0 = time.time() - 100
-    first = AttemptRecord(n=1, started="2026-12-03T10:00:00", plan="fp16/mbs8xga1x1/nogc/sdpa", started_at=t0,
-                          ended_at=t0 + 30, duration_s=30.0, first_step=1, last_step=4, returncode=1, status="failed",
-                          failure={"kind": "cuda_oom", "retriable": True,
-                                   "evidence": ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.79 GiB"]},
-                          remedy={"action": "replan", "why": "ZeRO-2 optimizer offload fits", "decided_at": t0 + 30},
-                          predicted={"tokens_per_s": 3000, "reserved_gib": 40.0, "budget_gib": 31.73,
-                                     "memory_gib": {"weights (fp16)": 2.6}, "host_gib": 20.0})
-    second = AttemptRecord(n=2, started="2026-12-03T10:01:00", plan="fp16/mbs4xga2x1/nogc/sdpa", started_at=t0 + 40,
-                           resumed_from=str(tmp_path / "saves" / "checkpoint-4"),
-                           overrides={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
-                           predicted={"tokens_per_s": 2500, "reserved_gib": 25.0, "budget_gib": 31.73,
-                                      "memory_gib": {"weights (fp16)": 2.6, "activations": 10.0}, "host_gib": 20.0,
-                                      "flops_per_token": 9.0e9, "peak_tflops": 125.0})
+    first = AttemptRecord(
+        n=1,
+        started="2026-12-03T10:00:00",
+        plan="fp16/mbs8xga1x1/nogc/sdpa",
+        started_at=t0,
+        ended_at=t0 + 30,
+        duration_s=30.0,
+        first_step=1,
+        last_step=4,
+        returncode=1,
+        status="failed",
+        failure={
+            "kind": "cuda_oom",
+            "retriable": True,
+            "evidence": ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.79 GiB"],
+        },
+        remedy={"action": "replan", "why": "ZeRO-2 optimizer offload fits", "decided_at": t0 + 30},
+        predicted={
+            "tokens_per_s": 3000,
+            "reserved_gib": 40.0,
+            "budget_gib": 31.73,
+            "memory_gib": {"weights (fp16)": 2.6},
+            "host_gib": 20.0,
+        },
+    )
+    second = AttemptRecord(
+        n=2,
+        started="2026-12-03T10:01:00",
+        plan="fp16/mbs4xga2x1/nogc/sdpa",
+        started_at=t0 + 40,
+        resumed_from=str(tmp_path / "saves" / "checkpoint-4"),
+        overrides={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+        predicted={
+            "tokens_per_s": 2500,
+            "reserved_gib": 25.0,
+            "budget_gib": 31.73,
+            "memory_gib": {"weights (fp16)": 2.6, "activations": 10.0},
+            "host_gib": 20.0,
+            "flops_per_token": 9.0e9,
+            "peak_tflops": 125.0,
+        },
+    )
     if status == "succeeded":
         second.status, second.first_step, second.last_step, second.ended_at = "succeeded", 5, 8, t0 + 90
     ledger = RunLedger(recipe="", attempts=[first, second], status=status, supervisor_pid=supervisor_pid)
@@ -50,14 +79,37 @@ def _run_folder(tmp_path: Path, *, status="failed", supervisor_pid=None, steps=(
     for step in steps:
         n = 1 if step <= 4 else 2
         t = t0 + (step * 5 if n == 1 else 40 + (step - 4) * 5)
-        events.append({"event": "step", "global_step": step, "max_steps": 8, "step_time_s": 1.0 + 0.1 * step,
-                       "step_tokens": 2800 + 10 * step, "gpu_reserved_gib": 20.0 + step, "gpu_allocated_gib": 18.0,
-                       "gpu_util_pct": 90 + step % 3, "gpu_util_min": 40, "gpu_util_max": 100,
-                       "gpu_sm_clock_mhz": 1380, "gpu_sampling": "nvml sample buffer",
-                       "gpu_power_w": 250.0 + step, "host_rss_gib": 9.5,
-                       "time": t, "attempt": n})
-        events.append({"event": "log", "global_step": step, "loss": 5.0 - 0.3 * step, "grad_norm": 1.0 + 0.05 * step,
-                       "learning_rate": 1e-4 * (1 - step / 10), "time": t, "attempt": n})
+        events.append(
+            {
+                "event": "step",
+                "global_step": step,
+                "max_steps": 8,
+                "step_time_s": 1.0 + 0.1 * step,
+                "step_tokens": 2800 + 10 * step,
+                "gpu_reserved_gib": 20.0 + step,
+                "gpu_allocated_gib": 18.0,
+                "gpu_util_pct": 90 + step % 3,
+                "gpu_util_min": 40,
+                "gpu_util_max": 100,
+                "gpu_sm_clock_mhz": 1380,
+                "gpu_sampling": "nvml sample buffer",
+                "gpu_power_w": 250.0 + step,
+                "host_rss_gib": 9.5,
+                "time": t,
+                "attempt": n,
+            }
+        )
+        events.append(
+            {
+                "event": "log",
+                "global_step": step,
+                "loss": 5.0 - 0.3 * step,
+                "grad_norm": 1.0 + 0.05 * step,
+                "learning_rate": 1e-4 * (1 - step / 10),
+                "time": t,
+                "attempt": n,
+            }
+        )
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "st')
     return run_dir
 
@@ -71,14 +123,22 @@ def test_report_marks_attempts_failures_and_resume_points_and_embeds_every_plot(
     text = page.read_text()
     assert len(re.findall(r"src='data:image/png;base64,", text)) == len(FIGURES)
     assert not re.search(r"(src|href)=['\"]https?:", text)  # opens offline
-    for cell in ("cuda_oom", "Tried to allocate 1.79 GiB", "replan: ZeRO-2 optimizer offload fits", "checkpoint-4",
-                 "1-4", "5-8", "per_device_train_batch_size"):
+    for cell in (
+        "cuda_oom",
+        "Tried to allocate 1.79 GiB",
+        "replan: ZeRO-2 optimizer offload fits",
+        "checkpoint-4",
+        "1-4",
+        "5-8",
+        "per_device_train_batch_size",
+    ):
         assert cell in text, cell
     # the markers are drawn on the per-step axes: attempt boundary, resume point, the failure's label
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from lf_adapter.run.report import _mark_attempts
 
     fig, ax = plt.subplots()
@@ -98,7 +158,7 @@ def test_summary_compares_speed_and_memory_with_the_prediction(tmp_path):
     assert "28.00 GiB reserved (predicted 25.00" in lines and "card 31.7 GiB" in lines
     assert "final loss   2.6000 at step 8" in lines and str(tmp_path / "report.html") in lines
     # utilization: the mean of the steps after warm-up (step 8 alone here: 90 + 8 % 3), and the MFU beside it
-    assert f"GPU busy     92% of the time (NVML, nvml sample buffer" in lines
+    assert "GPU busy     92% of the time (NVML, nvml sample buffer" in lines
     assert f"MFU {steady * 9.0e9 / 125e12:.1%}" in lines
 
 

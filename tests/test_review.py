@@ -1,5 +1,6 @@
 """`lfa review` and `lfa diff`: a clean recipe has no findings; each broken recipe is a real mistake (from the seed
 author's four crashes or from LLaMA-Factory's issue tracker) with the finding it must produce."""
+
 import json
 import re
 import shutil
@@ -12,8 +13,12 @@ from lf_adapter.plan import Plan
 from lf_adapter.recipe.render import render_deepspeed
 
 LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_config.json (no optimizer section)
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "fp16": {"enabled": "auto"},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto"},
     "bf16": {"enabled": "auto"},
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
 }
@@ -25,7 +30,11 @@ def clean_recipe(tmp_path):
     folder = tmp_path / "v100-32g"
     shutil.copytree(REPO / "recipes" / "pseudo2norm" / "v100-32g", folder)
     (folder / "data").mkdir()
-    row = {"instruction": "", "input": "# This is the pseudo code:\nint a1;\n# What is the source code?\n", "output": "int var1;"}
+    row = {
+        "instruction": "",
+        "input": "# This is the pseudo code:\nint a1;\n# What is the source code?\n",
+        "output": "int var1;",
+    }
     (folder / "data" / "pseudo2norm.jsonl").write_text((json.dumps(row) + "\n") * 640)
     return folder / "train.yaml"
 
@@ -91,6 +100,7 @@ def _severity_here(package, accepted):
     """What review must say of a version-dependent key on this install: error where the installed version rejects
     it, info where it accepts it (a dev build counts as its release)."""
     from importlib.metadata import version
+
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
@@ -135,7 +145,9 @@ def _zero3_with_min_lr(recipe):  # seen on the H200: optimizer.defaults is missi
 
 def _space_in_path_with_deepspeed(recipe):  # torchrun's relaunch splits the path
     _deepspeed_without_torchrun(recipe)
-    (recipe.parent / "launch.sh").write_text("#!/bin/bash\nexport FORCE_TORCHRUN=1\nexec llamafactory-cli train train.yaml\n")
+    (recipe.parent / "launch.sh").write_text(
+        "#!/bin/bash\nexport FORCE_TORCHRUN=1\nexec llamafactory-cli train train.yaml\n"
+    )
     _edit(recipe, r"^output_dir: .*", "output_dir: saves/my run")
     return "output_dir", "error", "path_with_spaces"
 
@@ -150,11 +162,27 @@ def _dataset_typo(recipe):
     return "dataset", "error", "dataset_undefined"
 
 
-@pytest.mark.parametrize("mistake", [_seed_bf16, _deepspeed_without_torchrun, _stock_offload_config, _exponent_float,
-                                     _save_strategy_no, _typo, _ray_key_from_094, _transformers4_key, _seed_fix_batch,
-                                     _original_on_32g, _space_in_path_with_deepspeed, _template_typo, _dataset_typo,
-                                     _liger_with_zero3, _zero3_with_min_lr],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        _seed_bf16,
+        _deepspeed_without_torchrun,
+        _stock_offload_config,
+        _exponent_float,
+        _save_strategy_no,
+        _typo,
+        _ray_key_from_094,
+        _transformers4_key,
+        _seed_fix_batch,
+        _original_on_32g,
+        _space_in_path_with_deepspeed,
+        _template_typo,
+        _dataset_typo,
+        _liger_with_zero3,
+        _zero3_with_min_lr,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_each_real_mistake_gets_its_finding_at_its_line(clean_recipe, mistake):
     key, severity, rule = mistake(clean_recipe)
     code, [review] = _review(clean_recipe)
@@ -183,15 +211,18 @@ def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_pat
     assert "| ❌ error | " in md and "`bf16_unsupported`" in md
     assert "| `fp16/mbs1xga64x1/gc/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md
     text = run_lfa("review", broken / "train.yaml")
-    assert f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout
+    assert (
+        f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout
+    )
     github = run_lfa("review", broken / "train.yaml", "--format", "github")
     assert github.stdout.startswith(f"::error file={broken / 'train.yaml'},line=")
 
 
 def test_review_against_the_base_branch_and_lfa_diff(clean_recipe):
     folder = clean_recipe.parent
-    git = lambda *a: subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=folder, check=True,
-                                    capture_output=True)
+    git = lambda *a: subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=folder, check=True, capture_output=True
+    )
     git("init", "-q")
     git("add", ".")
     git("commit", "-qm", "base")
@@ -201,7 +232,10 @@ def test_review_against_the_base_branch_and_lfa_diff(clean_recipe):
     _edit(clean_recipe, r"^logging_steps: .*", "logging_steps: 1")
     code, [review] = _review(clean_recipe, "--base", "HEAD")
     assert code == 0 and review["base"] == "HEAD"
-    assert [(d["group"], d["key"]) for d in review["diff"]] == [("results", "learning_rate"), ("other", "logging_steps")]
+    assert [(d["group"], d["key"]) for d in review["diff"]] == [
+        ("results", "learning_rate"),
+        ("other", "logging_steps"),
+    ]
     diff = run_lfa("diff", base_copy, clean_recipe)
     assert diff.returncode == 0
     assert diff.stdout.index("changes training results") < diff.stdout.index("bookkeeping")
@@ -226,8 +260,9 @@ def test_missing_deepspeed_file_is_one_finding_and_every_other_rule_still_runs(c
     code, [review] = _review(clean_recipe)
     rules = {f["rule"]: f for f in review["findings"]}
     assert code == 1
-    assert {"deepspeed_config", "bf16_unsupported", "memory_over_budget", "max_samples",
-            "few_steps_per_epoch"} <= set(rules), rules
+    assert {"deepspeed_config", "bf16_unsupported", "memory_over_budget", "max_samples", "few_steps_per_epoch"} <= set(
+        rules
+    ), rules
     assert rules["deepspeed_config"]["line"] == _line_of(clean_recipe, "deepspeed")
     assert "ds_z2_config.json" in rules["deepspeed_config"]["message"]
     for fmt in ("text", "markdown", "github"):
@@ -249,8 +284,9 @@ def test_offload_over_host_ram_is_an_error(clean_recipe, tmp_path):
     profile = tmp_path / "v100-64g-ram.yaml"
     text = (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 64")
     profile.write_text(text)
-    (clean_recipe.parent / "ds_z2_offload.json").write_text(render_deepspeed(
-        Plan.from_label("fp16/mbs1xga64x1/gc/sdpa/zero2-offload-optimizer"))[1])
+    (clean_recipe.parent / "ds_z2_offload.json").write_text(
+        render_deepspeed(Plan.from_label("fp16/mbs1xga64x1/gc/sdpa/zero2-offload-optimizer"))[1]
+    )
     with clean_recipe.open("a") as fh:
         fh.write("deepspeed: ds_z2_offload.json\n")
     code, [review] = _review(clean_recipe, "--hardware", profile, "--model", "LLM4Binary/llm4decompile-6.7b-v2")

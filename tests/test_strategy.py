@@ -1,9 +1,9 @@
 """The strategy axis (sharding x offload), its constraints table, and strict loading of lfa's data files."""
+
 import pytest
 import yaml
 
 from conftest import run_lfa
-
 from lf_adapter import UserError
 from lf_adapter.plan import Plan
 from lf_adapter.strategy import CONSTRAINTS, violations
@@ -23,31 +23,48 @@ def test_sharding_and_offload_are_closed_vocabularies_and_none_means_ddp_on_seve
 
 
 def test_the_constraints_table_is_the_one_rule_for_planner_remedies_and_review(tmp_path):
-    assert [c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, liger=True, sharding="zero3"))] == \
-        ["liger_with_zero3"]
-    assert {c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, sharding="zero2", offload="all"))} == \
-        {"parameter_offload_needs_zero3"}
-    assert {c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, sharding="fsdp2", offload="optimizer"))} >= \
-        {"offload_needs_deepspeed"}
+    assert [c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, liger=True, sharding="zero3"))] == [
+        "liger_with_zero3"
+    ]
+    assert {c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, sharding="zero2", offload="all"))} == {
+        "parameter_offload_needs_zero3"
+    }
+    assert {c.rule for c in violations(Plan("bf16", 1, 8, world_size=2, sharding="fsdp2", offload="optimizer"))} >= {
+        "offload_needs_deepspeed"
+    }
     assert {c.rule for c in violations(Plan("bf16", 1, 8, sharding="fsdp2"))} == {"fsdp2_on_one_process"}
-    assert {c.rule for c in violations(Plan("bf16", 2, 4, packing=True, padding_free=True))} == \
-        {"padding_free_with_packing"}
+    assert {c.rule for c in violations(Plan("bf16", 2, 4, packing=True, padding_free=True))} == {
+        "padding_free_with_packing"
+    }
     assert Plan.from_label(Plan("bf16", 2, 4, padding_free=True).label()).padding_free
     # the planner never proposes a plan the table forbids
     from lf_adapter.hardware import load_profile
     from lf_adapter.model_spec import load_model_spec
     from lf_adapter.planner import PlanOptions, candidate_plans
 
-    plans = list(candidate_plans(load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("dgx-h100-80g"),
-                                 64, PlanOptions()))
+    plans = list(
+        candidate_plans(
+            load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("dgx-h100-80g"), 64, PlanOptions()
+        )
+    )
     assert plans and not any(violations(p) for p in plans)
     assert any(p.liger for p in plans) and any(p.sharding == "zero3" for p in plans)
     assert all(c.key and c.fix and c.why for c in CONSTRAINTS)
 
 
 def test_fsdp2_is_planned_only_when_pinned_and_its_memory_is_sharded(tmp_path):
-    pinned = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "dgx-h100-80g", "--pin", "sharding=fsdp2",
-                     "-o", tmp_path / "f", "--json")
+    pinned = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--hardware",
+        "dgx-h100-80g",
+        "--pin",
+        "sharding=fsdp2",
+        "-o",
+        tmp_path / "f",
+        "--json",
+    )
     assert pinned.returncode == 0, pinned.stderr
     import json
 
@@ -58,19 +75,29 @@ def test_fsdp2_is_planned_only_when_pinned_and_its_memory_is_sharded(tmp_path):
     assert 12.0 < sum(v for k, v in items.items() if "sharded" in k) < 13.0
     default = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "dgx-h100-80g", "-o", tmp_path / "d", "--json")
     assert "fsdp2" not in json.loads(default.stdout)["plan"]
-    one_gpu = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp2",
-                      "-o", tmp_path / "one")
+    one_gpu = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp2", "-o", tmp_path / "one"
+    )
     assert one_gpu.returncode == 2 and "Traceback" not in one_gpu.stderr
     assert "fsdp2_on_one_process: FSDP2 on one process has nothing to shard it over" in one_gpu.stderr  # says why
-    bad = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp9", "-o", tmp_path / "b")
+    bad = run_lfa(
+        "generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "sharding=fsdp9", "-o", tmp_path / "b"
+    )
     assert bad.returncode == 2 and "use one of none, ddp, zero1, zero2, zero3, fsdp2" in bad.stderr
 
 
 def test_a_misspelled_profile_key_is_an_error_naming_the_nearest_key_at_every_level(tmp_path):
     profile = tmp_path / "box.yaml"
-    profile.write_text(yaml.safe_dump({"name": "box", "gpus_per_node": 1, "ram_gb": 64,
-                                       "gpu": {"name": "V100", "vram_gib": 31.7, "compute_capability": "7.0",
-                                               "hbm_tpbs": 0.9}}))
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "name": "box",
+                "gpus_per_node": 1,
+                "ram_gb": 64,
+                "gpu": {"name": "V100", "vram_gib": 31.7, "compute_capability": "7.0", "hbm_tpbs": 0.9},
+            }
+        )
+    )
     result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", profile, "-o", tmp_path / "out")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "'ram_gb' (did you mean 'ram_gib'?)" in result.stderr
@@ -85,8 +112,9 @@ def test_a_misspelled_ladder_step_or_catalog_key_is_found(monkeypatch, tmp_path)
     assert remedies.ladder_problems() == []
     typo = FailureClass("cuda_oom", True, (), ("fragmentation", "halve_micro_bach"))
     monkeypatch.setattr(remedies, "failure_classes", lambda: (typo,))
-    assert remedies.ladder_problems() == \
-        ["class cuda_oom: ladder step 'halve_micro_bach' is no action (did you mean 'halve_micro_batch'?)"]
+    assert remedies.ladder_problems() == [
+        "class cuda_oom: ladder step 'halve_micro_bach' is no action (did you mean 'halve_micro_batch'?)"
+    ]
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "catalog.yaml").write_text("org/m: {arch: llama, hiden_size: 64}\n")
     monkeypatch.setattr(model_spec, "catalog_dir", lambda: tmp_path)

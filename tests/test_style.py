@@ -1,5 +1,6 @@
 """The code's format and lint rules (ruff, configured in pyproject.toml) hold everywhere: a drift fails the suite, and
 `ruff format . && ruff check --fix .` mends most of it."""
+
 import shutil
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """The retry logic of `lfa train` with the trainer's start injected: a small real process that prints what a
 trainer would (an OOM line, a crash, success) instead of LLaMA-Factory, so each case takes a second. The same
 paths run through the real llamafactory-cli in test_faults.py."""
+
 import json
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import pytest
 
 from lf_adapter.run.supervisor import TrainRequest, attempt_loop, prepare, supervise
 
-OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-       "31.73 GiB of which 1.02 GiB is free.")
+OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+    "31.73 GiB of which 1.02 GiB is free."
+)
 
 # stands in for llamafactory-cli: fails with an OOM while the micro-batch is above 2, else "trains" and exits 0
 FAKE_TRAINER = f"""
@@ -28,31 +31,54 @@ def _fake_start(script):
 
     def start_process(command, cwd, env, log_file):
         calls.append(command)
-        return subprocess.Popen([sys.executable, "-c", script, *command[2:]], cwd=str(cwd), env=env, stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", script, *command[2:]],
+            cwd=str(cwd),
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
     return start_process, calls
 
 
 def test_an_oom_is_retried_with_a_halved_micro_batch_until_it_fits(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=3")
     start_process, calls = _fake_start(FAKE_TRAINER)
-    request = TrainRequest(recipe, run_dir=tmp_path / "run", max_attempts=5,
-                           overrides=("per_device_train_batch_size=8", "gradient_accumulation_steps=1"))
+    request = TrainRequest(
+        recipe,
+        run_dir=tmp_path / "run",
+        max_attempts=5,
+        overrides=("per_device_train_batch_size=8", "gradient_accumulation_steps=1"),
+    )
     assert supervise(request, finish=False, start_process=start_process) == 0
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert [a["status"] for a in ledger["attempts"]] == ["failed"] * 3 + ["succeeded"]
-    assert [a["remedy"]["action"] for a in ledger["attempts"][:3]] == \
-        ["halve_micro_batch", "gradient_checkpointing", "halve_micro_batch"]  # the cuda_oom ladder on a CPU
-    batches = [(a["overrides"]["per_device_train_batch_size"], a["overrides"]["gradient_accumulation_steps"])
-               for a in ledger["attempts"]]
+    assert [a["remedy"]["action"] for a in ledger["attempts"][:3]] == [
+        "halve_micro_batch",
+        "gradient_checkpointing",
+        "halve_micro_batch",
+    ]  # the cuda_oom ladder on a CPU
+    batches = [
+        (a["overrides"]["per_device_train_batch_size"], a["overrides"]["gradient_accumulation_steps"])
+        for a in ledger["attempts"]
+    ]
     assert batches == [(8, 1), (4, 2), (4, 2), (2, 4)]  # the effective batch of 8 is kept on every attempt
     assert len(calls) == 4 and all(c[1] == "train" for c in calls)
 
 
 def test_the_retry_budget_ends_the_run(cpu_recipe, tmp_path):
     start_process, calls = _fake_start(FAKE_TRAINER)
-    setup = prepare(TrainRequest(cpu_recipe("max_steps=3"), run_dir=tmp_path / "run", max_attempts=2,
-                                 overrides=("per_device_train_batch_size=8", "gradient_accumulation_steps=1")))
+    setup = prepare(
+        TrainRequest(
+            cpu_recipe("max_steps=3"),
+            run_dir=tmp_path / "run",
+            max_attempts=2,
+            overrides=("per_device_train_batch_size=8", "gradient_accumulation_steps=1"),
+        )
+    )
     assert attempt_loop(setup, start_process) == 1
     assert len(calls) == 2 and setup.ledger.status == "failed"
 
@@ -70,6 +96,8 @@ def test_bad_input_is_refused_before_anything_starts(cpu_recipe, tmp_path):
 
     start_process, calls = _fake_start(FAKE_TRAINER)
     with pytest.raises(UserError, match="expected key=value"):
-        supervise(TrainRequest(cpu_recipe("max_steps=3"), run_dir=tmp_path / "run", overrides=("oops",)),
-                  start_process=start_process)
+        supervise(
+            TrainRequest(cpu_recipe("max_steps=3"), run_dir=tmp_path / "run", overrides=("oops",)),
+            start_process=start_process,
+        )
     assert calls == []

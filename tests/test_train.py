@@ -1,5 +1,6 @@
 """End to end on the CPU with the real llamafactory-cli: the template, a training run, detached runs, the data report
 (faults: tests/test_faults.py)."""
+
 import json
 import os
 
@@ -16,9 +17,12 @@ def test_sk2decompile_template_is_registered_and_ends_with_one_eos(demo_assets):
     assert "sk2decompile" in lf_template.TEMPLATES
     tokenizer = AutoTokenizer.from_pretrained(str(demo_assets[0]))
     prompt_ids, answer_ids = lf_template.TEMPLATES["sk2decompile"].encode_oneturn(
-        tokenizer, [{"role": "user", "content": "# This is the pseudo code:\nx\n"}, {"role": "assistant", "content": "int func1"}])
+        tokenizer,
+        [{"role": "user", "content": "# This is the pseudo code:\nx\n"}, {"role": "assistant", "content": "int func1"}],
+    )
     assert tokenizer.decode(prompt_ids) == "# This is the pseudo code:\nx\n"
     assert answer_ids[-1] == tokenizer.eos_token_id and answer_ids.count(tokenizer.eos_token_id) == 1
+
 
 def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "2", "--pin", "micro_batch_size=4"))
@@ -38,6 +42,7 @@ def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
     assert ledger["status"] == "succeeded" and len(ledger["attempts"]) == 1
     assert (tmp_path / "run" / "attempt-1.log").read_text().count("llamafactory") > 0
 
+
 def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
@@ -55,29 +60,45 @@ def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe
     stopped = run_lfa("stop", run_dir, "--timeout", "60")
     assert stopped.returncode == 0 and "stopped (graceful)" in stopped.stdout, stopped.stdout + stopped.stderr
     assert _ledger(run_dir)["status"] == "stopped"
-    assert not os.path.exists(f"/proc/{trainer}") or "Z" in open(f"/proc/{trainer}/stat").read().rsplit(")", 1)[1].split()[0]
+    assert (
+        not os.path.exists(f"/proc/{trainer}")
+        or "Z" in open(f"/proc/{trainer}/stat").read().rsplit(")", 1)[1].split()[0]
+    )
     followed = run_lfa("logs", run_dir, "-f", timeout=60)  # a finished run: prints and returns
     assert followed.returncode == 0 and "==> run stopped <==" in followed.stdout
     again = run_lfa("stop", run_dir)
     assert again.returncode == 0 and "not running" in again.stdout
 
+
 def test_progress_line_carries_step_loss_speed_eta_and_gpu_memory():
     from lf_adapter.run.progress import _progress_text
 
-    text = _progress_text(2, {"step": 5, "total": 10, "loss": 1.23456, "lr": 3e-6, "tokens_per_s": 23511.4,
-                              "eta": "0:01:02", "gpu_used_gib": 26.7})
+    text = _progress_text(
+        2,
+        {
+            "step": 5,
+            "total": 10,
+            "loss": 1.23456,
+            "lr": 3e-6,
+            "tokens_per_s": 23511.4,
+            "eta": "0:01:02",
+            "gpu_used_gib": 26.7,
+        },
+    )
     assert text.startswith("[attempt 2] step 5/10 [##########..........]")
     assert "loss 1.2346" in text and "23,511 tok/s" in text and "ETA 0:01:02" in text and "GPU 26.7 GiB (NVML)" in text
+
 
 def test_data_report_counts_tokens_as_llamafactory_encodes_the_sk2decompile_template(demo_assets):
     """lfa data / generate --dataset count each row with the model's tokenizer; for sk2decompile that equals what
     LLaMA-Factory's template encodes (prompt, response, one EOS)."""
     import json as _json
 
+    from transformers import AutoTokenizer
+
     from lf_adapter.data import profile_dataset
     from lf_adapter.plugin import hooks
     from lf_adapter.tasks import load_task
-    from transformers import AutoTokenizer
 
     hooks.install()
     from llamafactory.data import template as lf_template
@@ -90,8 +111,12 @@ def test_data_report_counts_tokens_as_llamafactory_encodes_the_sk2decompile_temp
     for line in data.read_text().splitlines():
         row = _json.loads(line)
         prompt, answer = lf_template.TEMPLATES["sk2decompile"].encode_oneturn(
-            tokenizer, [{"role": "user", "content": row["instruction"] + row["input"]},
-                        {"role": "assistant", "content": row["output"]}])
+            tokenizer,
+            [
+                {"role": "user", "content": row["instruction"] + row["input"]},
+                {"role": "assistant", "content": row["output"]},
+            ],
+        )
         lengths.append(len(prompt) + len(answer))
     assert "tokenizer" in profile.counted_with and profile.max_tokens == max(lengths)
     assert profile.total_tokens == sum(lengths) and profile.p50_tokens == sorted(lengths)[len(lengths) // 2]

@@ -1,5 +1,6 @@
 """lfa on the LLaMA-Factory the user already has: goldens independent of the install, review severities from the
 installed versions, known-bad stacks named by detect, a fork's own sk2decompile template left alone."""
+
 import json
 from pathlib import Path
 
@@ -9,11 +10,12 @@ from conftest import REPO
 
 
 def test_goldens_are_written_for_their_manifest_version_whatever_is_installed(monkeypatch):
-    from lf_adapter.recipe import generate as recipe, goldens
+    from lf_adapter.recipe import generate as recipe
+    from lf_adapter.recipe import goldens
 
     real = recipe.installed_versions()
     for pretend in ("0.9.3", "0.9.4", "0.9.5.dev0", None):
-        monkeypatch.setattr(recipe, "installed_versions", lambda: {**real, "llamafactory": pretend})
+        monkeypatch.setattr(recipe, "installed_versions", lambda pretend=pretend: {**real, "llamafactory": pretend})
         assert goldens.check_goldens(REPO / "recipes") == [], pretend
     manifest = yaml.safe_load((REPO / "recipes" / "manifest.yaml").read_text())
     ray = next(e for e in manifest if e["dir"].endswith("-ray"))
@@ -34,10 +36,30 @@ def test_known_bad_stacks_are_named_with_their_fix():
     from lf_adapter.hardware import stack_problems
 
     fork_reqs = ["transformers>=4.49.0,<=4.56.2,!=4.52.0", "trl>=0.8.6,<=0.9.6", "gradio>=4.38; extra == 'webui'"]
-    assert stack_problems({"numpy": "1.26.4", "pyarrow": "20.0.0", "llamafactory": "0.9.4.dev0",
-                           "transformers": "4.56.1", "trl": "0.9.6"}, fork_reqs) == []
-    problems = stack_problems({"numpy": "1.26.4", "pyarrow": "26.0.0", "llamafactory": "0.9.4.dev0",
-                               "transformers": "4.57.1", "trl": "0.9.6", "gradio": "3.0"}, fork_reqs)
+    assert (
+        stack_problems(
+            {
+                "numpy": "1.26.4",
+                "pyarrow": "20.0.0",
+                "llamafactory": "0.9.4.dev0",
+                "transformers": "4.56.1",
+                "trl": "0.9.6",
+            },
+            fork_reqs,
+        )
+        == []
+    )
+    problems = stack_problems(
+        {
+            "numpy": "1.26.4",
+            "pyarrow": "26.0.0",
+            "llamafactory": "0.9.4.dev0",
+            "transformers": "4.57.1",
+            "trl": "0.9.6",
+            "gradio": "3.0",
+        },
+        fork_reqs,
+    )
     assert len(problems) == 2
     assert "numpy 1.26.4 with pyarrow 26.0.0" in problems[0] and "pip install 'pyarrow<21'" in problems[0]
     assert "transformers 4.57.1 is outside LLaMA-Factory 0.9.4.dev0's range" in problems[1]
@@ -54,26 +76,30 @@ def test_detect_reports_the_installed_stack_and_its_problems_as_notes():
     report = json.loads(result.stdout)
     from lf_adapter.hardware import installed_stack_problems
 
-    assert [n for n in report["notes"] if n.startswith("known-bad pair")] == \
-        [f"known-bad pair: {p}" for p in installed_stack_problems()]
+    assert [n for n in report["notes"] if n.startswith("known-bad pair")] == [
+        f"known-bad pair: {p}" for p in installed_stack_problems()
+    ]
     assert report["software"]["llamafactory"]
 
 
 def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(demo_assets, tmp_path, monkeypatch):
     """The SK2Decompile fork defines `sk2decompile` in LLaMA-Factory itself: lfa must not replace it, and lfa's
     definition must produce the same tokens, so recipes behave the same on the fork and on stock LLaMA-Factory."""
-    from lf_adapter import catalog_dir
-    from lf_adapter.plugin import hooks
     from llamafactory.data import template as lf_template
     from llamafactory.data.formatter import StringFormatter
     from transformers import AutoTokenizer
+
+    from lf_adapter import catalog_dir
+    from lf_adapter.plugin import hooks
 
     saved = dict(lf_template.TEMPLATES)
     try:
         lf_template.TEMPLATES.pop("sk2decompile", None)
         lf_template.register_template(  # the fork's definition (LLaMA-Factory's own register_template call)
-            name="sk2decompile", format_user=StringFormatter(slots=["{{content}}"]),
-            format_assistant=StringFormatter(slots=["{{content}}<｜end▁of▁sentence｜>"]))
+            name="sk2decompile",
+            format_user=StringFormatter(slots=["{{content}}"]),
+            format_assistant=StringFormatter(slots=["{{content}}<｜end▁of▁sentence｜>"]),
+        )
         forks = lf_template.TEMPLATES["sk2decompile"]
         assert "sk2decompile" not in hooks.register_chat_templates(lf_template)
         assert lf_template.TEMPLATES["sk2decompile"] is forks
@@ -86,10 +112,13 @@ def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(d
         tokenizer = AutoTokenizer.from_pretrained(str(demo_assets[0]))
         rows = [json.loads(line) for line in Path(demo_assets[1]).read_text().splitlines()[:8]]
         for row in rows:
-            messages = [{"role": "user", "content": row["instruction"] + row.get("input", "")},
-                        {"role": "assistant", "content": row["output"]}]
-            assert forks.encode_oneturn(tokenizer, messages) == \
-                lf_template.TEMPLATES["sk2decompile_lfa_check"].encode_oneturn(tokenizer, messages)
+            messages = [
+                {"role": "user", "content": row["instruction"] + row.get("input", "")},
+                {"role": "assistant", "content": row["output"]},
+            ]
+            assert forks.encode_oneturn(tokenizer, messages) == lf_template.TEMPLATES[
+                "sk2decompile_lfa_check"
+            ].encode_oneturn(tokenizer, messages)
     finally:
         lf_template.TEMPLATES.clear()
         lf_template.TEMPLATES.update(saved)

@@ -9,6 +9,7 @@ LLaMA-Factory is forked or edited, and processes that never import llamafactory 
 We chose this over our own worker entry point because LLaMA-Factory's launcher always starts workers with its own
 launcher.py file; an entry point of ours would have to re-implement that relaunch (and keep up with it).
 """
+
 from pathlib import Path
 
 

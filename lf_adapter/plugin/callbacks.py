@@ -12,6 +12,7 @@ Environment (set by `lfa train`, or by tests and benchmarks; the names live in c
   LFA_DROP_PADDING_MASK     no padding mask for right-padded text batches (hooks.drop_right_padding_mask)
   LFA_BENCH_SKIP_FINAL_SAVE skip the final save_model after training (benchmarks on a small disk only)
 """
+
 from __future__ import annotations
 
 import atexit
@@ -78,8 +79,10 @@ def _report_peak() -> None:
     cuda = _cuda()
     line = "LFA_PEAK"
     if cuda is not None and cuda.is_initialized():
-        line += (f" allocated_gib={cuda.max_memory_allocated() / 2**30:.2f}"
-                 f" reserved_gib={cuda.max_memory_reserved() / 2**30:.2f}")
+        line += (
+            f" allocated_gib={cuda.max_memory_allocated() / 2**30:.2f}"
+            f" reserved_gib={cuda.max_memory_reserved() / 2**30:.2f}"
+        )
     print(f"{line} host_rss_gib={host_rss_gib()[1]:.2f} rank={os.environ.get('RANK', '0')}", flush=True)
 
 
@@ -118,35 +121,59 @@ class EventsCallback(TrainerCallback):
                 fh.write(json.dumps(event) + "\n")
         except OSError as exc:  # a full disk under the run folder: lose an event, never the training
             if not self.write_failed:
-                print(f"lfa: cannot write {self.path} ({exc.strerror or exc}); progress events are lost until it "
-                      "can, training goes on", flush=True)
+                print(
+                    f"lfa: cannot write {self.path} ({exc.strerror or exc}); progress events are lost until it "
+                    "can, training goes on",
+                    flush=True,
+                )
             self.write_failed = True
         else:
             self.write_failed = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
-        self.emit(state, event="train_begin", global_step=state.global_step, max_steps=state.max_steps,
-                   micro_batch_size=args.per_device_train_batch_size,
-                   grad_accum=args.gradient_accumulation_steps, world_size=args.world_size, sampler=SAMPLER["name"])
+        self.emit(
+            state,
+            event="train_begin",
+            global_step=state.global_step,
+            max_steps=state.max_steps,
+            micro_batch_size=args.per_device_train_batch_size,
+            grad_accum=args.gradient_accumulation_steps,
+            world_size=args.world_size,
+            sampler=SAMPLER["name"],
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         tokens = _STEP_TOKENS["value"]
         # local count x world size: every rank's micro-batches come from the same sorted step (an estimate for N>1)
         tokens = None if tokens is None else int(tokens) * max(1, args.world_size)
         now = time.time()
-        self.emit(state, event="step", global_step=state.global_step, max_steps=state.max_steps,
-                   step_time_s=round(now - self.last, 4), step_tokens=tokens,
-                   flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0))
+        self.emit(
+            state,
+            event="step",
+            global_step=state.global_step,
+            max_steps=state.max_steps,
+            step_time_s=round(now - self.last, 4),
+            step_tokens=tokens,
+            flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0),
+        )
         self.last = now
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.emit(state, event="log", global_step=state.global_step, **{k: v for k, v in (logs or {}).items()
-                                                                         if isinstance(v, (int, float, str))})
+        self.emit(
+            state,
+            event="log",
+            global_step=state.global_step,
+            **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float, str))},
+        )
 
     def on_save(self, args, state, control, **kwargs):
-        self.emit(state, event="save", global_step=state.global_step,
-                   checkpoint=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        self.emit(
+            state,
+            event="save",
+            global_step=state.global_step,
+            checkpoint=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+        )
 
     def on_train_end(self, args, state, control, **kwargs):
         self.emit(state, event="train_end", global_step=state.global_step, elapsed_s=round(time.time() - self.start, 3))
@@ -161,13 +188,15 @@ class FaultInjectionCallback(TrainerCallback):
             import torch
 
             need = args.per_device_train_batch_size * 0.2467
-            raise torch.OutOfMemoryError(os.environ.get(contract.INJECT_OOM_MESSAGE) or
-                f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "
+            raise torch.OutOfMemoryError(
+                os.environ.get(contract.INJECT_OOM_MESSAGE)
+                or f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "
                 f"of which 1.02 GiB is free. Including non-PyTorch memory, this process has 30.71 GiB memory in "
                 f"use. Of the allocated memory 29.00 GiB is allocated by PyTorch, and 1.62 GiB is reserved by "
                 f"PyTorch but unallocated. If reserved but unallocated memory is large try setting "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
-                f"Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+                f"Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         nan_step = os.environ.get(contract.INJECT_NAN_AT_STEP)
@@ -210,8 +239,11 @@ class GracefulStopCallback(TrainerCallback):
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         cls.requested = f"signal {signum}"
-        print(f"lfa: {signal.Signals(signum).name} received: saving a checkpoint at the end of this step, then "
-              "stopping (send it again to stop at once)", flush=True)
+        print(
+            f"lfa: {signal.Signals(signum).name} received: saving a checkpoint at the end of this step, then "
+            "stopping (send it again to stop at once)",
+            flush=True,
+        )
 
     @classmethod
     def _watch_supervisor(cls, pid: int) -> None:
@@ -220,8 +252,11 @@ class GracefulStopCallback(TrainerCallback):
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                print(f"lfa: the supervisor (pid {pid}) is gone: saving a checkpoint and stopping, so that no trainer "
-                      "runs on without one (`lfa train` again resumes)", flush=True)
+                print(
+                    f"lfa: the supervisor (pid {pid}) is gone: saving a checkpoint and stopping, so that no trainer "
+                    "runs on without one (`lfa train` again resumes)",
+                    flush=True,
+                )
                 cls.requested = "supervisor gone"
                 return
             except PermissionError:

@@ -2,6 +2,7 @@
 collectives in it (NCCL kernels on GPUs, gloo's work on CPUs) against the window's wall time. Collectives overlap
 the backward (DDP buckets, ZeRO reduce-scatter), so the share is time spent in communication, not time the step
 waited for it."""
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,13 @@ class CommProfileCallback(TrainerCallback):
         self.profiler, self.started = None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if (self.window is None or args.world_size <= 1 or not state.is_world_process_zero
-                or self.profiler is not None or state.global_step + 1 != self.window[0]):
+        if (
+            self.window is None
+            or args.world_size <= 1
+            or not state.is_world_process_zero
+            or self.profiler is not None
+            or state.global_step + 1 != self.window[0]
+        ):
             return
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -92,6 +98,15 @@ class CommProfileCallback(TrainerCallback):
         self.started = None  # one window per attempt
         spans, names = collective_intervals(self.profiler.events())
         comm = union_seconds(spans)
-        self.emit(state, event="comm", first_step=self.window[0], last_step=state.global_step,
-                  window_s=round(wall, 4), comm_s=round(comm, 4), share=round(comm / wall, 4) if wall else None,
-                  collectives=len(spans), kinds=names[:8], world_size=args.world_size)
+        self.emit(
+            state,
+            event="comm",
+            first_step=self.window[0],
+            last_step=state.global_step,
+            window_s=round(wall, 4),
+            comm_s=round(comm, 4),
+            share=round(comm / wall, 4) if wall else None,
+            collectives=len(spans),
+            kinds=names[:8],
+            world_size=args.world_size,
+        )

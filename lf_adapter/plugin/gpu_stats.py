@@ -6,6 +6,7 @@ The driver keeps a buffer of its own samples: nvmlDeviceGetSamples returns those
 step gets the mean, min and max of every sample inside it. Where the buffer is not supported, a thread polls every
 POLL_S instead. The NVML session and handle are the process's one (hardware.nvml).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,13 @@ def step_summary(util: Iterable[float], clock_mhz: Iterable[float], power_w: Ite
     util, clock_mhz, power_w = list(util), list(clock_mhz), list(power_w)
     if not util:
         return {}
-    out = {"gpu_util_pct": round(statistics.fmean(util), 1), "gpu_util_min": min(util), "gpu_util_max": max(util),
-           "gpu_util_samples": len(util), "gpu_sampling": source}
+    out = {
+        "gpu_util_pct": round(statistics.fmean(util), 1),
+        "gpu_util_min": min(util),
+        "gpu_util_max": max(util),
+        "gpu_util_samples": len(util),
+        "gpu_sampling": source,
+    }
     if clock_mhz:
         out["gpu_sm_clock_mhz"] = round(statistics.fmean(clock_mhz))
     if power_w:
@@ -37,8 +43,11 @@ class StepGpuSampler:
     def __init__(self, lib, handle):
         self.lib, self.handle = lib, handle
         self.last_us = {}  # sample kind -> newest timestamp seen (µs, the driver's clock)
-        self.kinds = {"util": lib.NVML_GPU_UTILIZATION_SAMPLES, "clock": lib.NVML_PROCESSOR_CLK_SAMPLES,
-                      "power": lib.NVML_TOTAL_POWER_SAMPLES}
+        self.kinds = {
+            "util": lib.NVML_GPU_UTILIZATION_SAMPLES,
+            "clock": lib.NVML_PROCESSOR_CLK_SAMPLES,
+            "power": lib.NVML_TOTAL_POWER_SAMPLES,
+        }
         self.buffered = self._buffer_supported()
         self._polled: list[tuple[float, float, float]] = []
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -58,7 +67,9 @@ class StepGpuSampler:
     def _buffer(self, kind: str) -> list[float]:
         """The driver's samples of one kind newer than the last seen; [] when there are none or it fails."""
         try:
-            value_type, samples = self.lib.nvmlDeviceGetSamples(self.handle, self.kinds[kind], self.last_us.get(kind, 0))
+            value_type, samples = self.lib.nvmlDeviceGetSamples(
+                self.handle, self.kinds[kind], self.last_us.get(kind, 0)
+            )
         except Exception:  # NVML_ERROR_NOT_FOUND: no sample since the timestamp
             return []
         field = VALUE_FIELDS.get(int(value_type), "uiVal")
@@ -77,9 +88,11 @@ class StepGpuSampler:
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                row = (float(self.lib.nvmlDeviceGetUtilizationRates(self.handle).gpu),
-                       float(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM)),
-                       self.lib.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
+                row = (
+                    float(self.lib.nvmlDeviceGetUtilizationRates(self.handle).gpu),
+                    float(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM)),
+                    self.lib.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
+                )
             except Exception:
                 return
             with self._lock:
@@ -89,14 +102,17 @@ class StepGpuSampler:
     def take(self) -> dict:
         if self.buffered:
             # some drivers keep no clock samples (the H200's did not): one reading at the step's end then
-            clock = self._buffer("clock") or self._read(lambda: self.lib.nvmlDeviceGetClockInfo(self.handle,
-                                                                                                self.lib.NVML_CLOCK_SM))
-            return step_summary(self._buffer("util"), clock, [mw / 1000.0 for mw in self._buffer("power")],
-                                "nvml sample buffer")
+            clock = self._buffer("clock") or self._read(
+                lambda: self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM)
+            )
+            return step_summary(
+                self._buffer("util"), clock, [mw / 1000.0 for mw in self._buffer("power")], "nvml sample buffer"
+            )
         with self._lock:
             rows, self._polled = self._polled, []
-        return step_summary([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                            f"polled every {POLL_S:g} s")
+        return step_summary(
+            [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], f"polled every {POLL_S:g} s"
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,4 +1,5 @@
 """Import hooks run inside LLaMA-Factory's processes (see lf_adapter/plugin/__init__.py for why)."""
+
 from __future__ import annotations
 
 import importlib.abc
@@ -135,8 +136,9 @@ def _patch_sft_trainer(trainer_module) -> None:
             if padding_free.supported():
                 padding_free.use_on(self.model)
             else:
-                print("lfa: padding-free needs transformers >= 4.53 (AttentionMaskInterface): training padded",
-                      flush=True)
+                print(
+                    "lfa: padding-free needs transformers >= 4.53 (AttentionMaskInterface): training padded", flush=True
+                )
 
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
@@ -177,7 +179,11 @@ def _patch_collator(collator_module) -> None:
         if self.block_diag_attn:  # LLaMA-Factory's neat_packing: its own mask
             return batch
         # both run in the data workers, on the CPU: no GPU sync
-        if os.environ.get(contract.PADDING_FREE) == "1" and padding_free.supported() and padding_free.flatten_batch(batch):
+        if (
+            os.environ.get(contract.PADDING_FREE) == "1"
+            and padding_free.supported()
+            and padding_free.flatten_batch(batch)
+        ):
             return batch
         if os.environ.get(contract.DROP_PADDING_MASK) == "1":
             drop_right_padding_mask(batch)

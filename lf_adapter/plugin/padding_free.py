@@ -10,6 +10,7 @@ the padded step's (tests/test_padding_free.py checks it on CPU).
 Attention runs through transformers' AttentionInterface under the name `lfa_varlen`: torch's own varlen flash
 attention on CUDA (torch >= 2.10, no extra package), and on the CPU a reference path of one causal SDPA call per row.
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,28 +72,42 @@ def _rows_reference(query, key, value, cu, scaling):
     outputs = []
     bounds = cu.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        outputs.append(F.scaled_dot_product_attention(query[:, start:end], key[:, start:end], value[:, start:end],
-                                                      is_causal=True, scale=scaling))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, start:end], key[:, start:end], value[:, start:end], is_causal=True, scale=scaling
+            )
+        )
     return torch.cat(outputs, dim=1)
 
 
-def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, **kwargs):
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers' attention signature: query/key/value [1, heads, tokens, dim] of one flattened micro-batch;
     returns ([1, tokens, heads, dim], None). Without sequence boundaries (generation, eval) it is plain SDPA."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     groups = query.size(1) // key.size(1)
     q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
     if q.is_cuda and _torch_varlen() is not None and _flash_capable(q.device.index or 0):
         varlen, has_window = _torch_varlen()
         extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
-        out = varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu, cu,
-                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scaling, **extra)  # [T, H, D]
+        out = varlen(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            cu,
+            cu,
+            int(kwargs["max_length_q"]),
+            int(kwargs["max_length_k"]),
+            scale=scaling,
+            **extra,
+        )  # [T, H, D]
         return out.unsqueeze(0), None
     out = _rows_reference(q, k, v, cu, scaling)  # [H, T, D]
     return out.transpose(0, 1).unsqueeze(0), None
@@ -151,5 +166,8 @@ def use_on(model) -> None:
     register()
     model.config._attn_implementation = ATTENTION_NAME
     kernel = "torch's varlen flash attention on sm80+ GPUs" if _torch_varlen() is not None else "no varlen kernel"
-    print(f"lfa: padding-free: each micro-batch's rows flattened into one sequence, attention kept per row "
-          f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row elsewhere)", flush=True)
+    print(
+        f"lfa: padding-free: each micro-batch's rows flattened into one sequence, attention kept per row "
+        f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row elsewhere)",
+        flush=True,
+    )

@@ -6,6 +6,7 @@ step therefore sees exactly the rows the random sampler would have given it, and
 the loss by the step's token count (num_items_in_batch), the step's gradient is the same sum; only the split into
 micro-batches changes, so rows of similar length share a micro-batch and less compute goes to padding.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,7 @@ def sorted_step_order(lengths: list[int], block: int, seed: int, epoch: int) -> 
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     result = []
     for start in range(0, len(order), block):
-        result += sorted(order[start:start + block], key=lambda i: -lengths[i])
+        result += sorted(order[start : start + block], key=lambda i: -lengths[i])
     return result
 
 
@@ -52,5 +53,5 @@ def row_lengths(dataset) -> list[int] | None:
     table = dataset.select_columns(["input_ids"]).with_format("arrow")
     lengths: list[int] = []
     for start in range(0, len(dataset), LENGTH_CHUNK):
-        lengths += pc.list_value_length(table[start:start + LENGTH_CHUNK]["input_ids"]).to_pylist()
+        lengths += pc.list_value_length(table[start : start + LENGTH_CHUNK]["input_ids"]).to_pylist()
     return lengths

@@ -2,6 +2,7 @@
 progress bar raises OSError(ENOSPC) inside the training loop and kills a run that could have saved; wrapped, the
 output is dropped instead (the log says so once space returns) and training reaches its next save, where a full
 output disk is a real, classified failure (disk_full)."""
+
 from __future__ import annotations
 
 import errno

@@ -1,4 +1,5 @@
 """`lfa diff A B`: what a recipe change does, keys that change training results first."""
+
 from __future__ import annotations
 
 import json
@@ -6,21 +7,60 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import UserError
+from ..strategy import Offload
 from .keys import precision_from_keys
 from .read import Recipe, deepspeed_setup
-from ..strategy import Offload
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
-RESULT_KEYS = ["model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len", "precision",
-               "effective_batch_size", "learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type",
-               "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "optim",
-               "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "packing", "neat_packing",
-               "train_on_prompt", "mask_history", "pure_bf16", "max_samples", "val_size"]
+RESULT_KEYS = [
+    "model_name_or_path",
+    "stage",
+    "finetuning_type",
+    "dataset",
+    "template",
+    "cutoff_len",
+    "precision",
+    "effective_batch_size",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "optim",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "seed",
+    "data_seed",
+    "packing",
+    "neat_packing",
+    "train_on_prompt",
+    "mask_history",
+    "pure_bf16",
+    "max_samples",
+    "val_size",
+]
 # Keys that change speed or memory but not the result (given the same effective batch).
-SPEED_KEYS = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "deepspeed",
-              "deepspeed_config", "disable_gradient_checkpointing", "enable_liger_kernel", "flash_attn",
-              "lfa_sorted_steps", "lfa_alloc_conf", "preprocessing_num_workers", "dataloader_num_workers",
-              "use_reentrant_gc", "torch_compile"]
+SPEED_KEYS = [
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "deepspeed",
+    "deepspeed_config",
+    "disable_gradient_checkpointing",
+    "enable_liger_kernel",
+    "flash_attn",
+    "lfa_sorted_steps",
+    "lfa_alloc_conf",
+    "preprocessing_num_workers",
+    "dataloader_num_workers",
+    "use_reentrant_gc",
+    "torch_compile",
+]
 GROUPS = {"results": "changes training results", "speed": "changes speed or memory only", "other": "bookkeeping"}
 
 
@@ -38,13 +78,15 @@ class DiffEntry:
 def semantic_view(recipe: Recipe) -> dict:
     """The recipe's keys plus derived values a reviewer cares about: precision, effective batch, DeepSpeed stage."""
     data = dict(recipe.data)
-    world = int((recipe.meta.get("hardware") or {}).get("gpus_per_node", 1) or 1) * \
-        int((recipe.meta.get("hardware") or {}).get("nodes", 1) or 1)
+    world = int((recipe.meta.get("hardware") or {}).get("gpus_per_node", 1) or 1) * int(
+        (recipe.meta.get("hardware") or {}).get("nodes", 1) or 1
+    )
     data["precision"] = precision_from_keys(data)
     data.pop("bf16", None), data.pop("fp16", None)
     data["world_size"] = world
-    data["effective_batch_size"] = int(data.get("per_device_train_batch_size", 1)) * \
-        int(data.get("gradient_accumulation_steps", 1)) * world
+    data["effective_batch_size"] = (
+        int(data.get("per_device_train_batch_size", 1)) * int(data.get("gradient_accumulation_steps", 1)) * world
+    )
     if data.get("deepspeed"):
         try:  # the base ref's JSON may be missing: the diff still shows the rest
             stage, offload = deepspeed_setup(recipe)
@@ -60,8 +102,14 @@ def semantic_view(recipe: Recipe) -> dict:
 def semantic_diff(a: dict, b: dict) -> list[DiffEntry]:
     """Differences between two semantic_view()s, grouped: results first, then speed, then bookkeeping."""
     entries = []
-    for key in sorted(set(a) | set(b), key=lambda k: (RESULT_KEYS.index(k) if k in RESULT_KEYS else len(RESULT_KEYS),
-                                                      SPEED_KEYS.index(k) if k in SPEED_KEYS else len(SPEED_KEYS), k)):
+    for key in sorted(
+        set(a) | set(b),
+        key=lambda k: (
+            RESULT_KEYS.index(k) if k in RESULT_KEYS else len(RESULT_KEYS),
+            SPEED_KEYS.index(k) if k in SPEED_KEYS else len(SPEED_KEYS),
+            k,
+        ),
+    ):
         if a.get(key) == b.get(key):
             continue
         group = "results" if key in RESULT_KEYS else "speed" if key in SPEED_KEYS else "other"
@@ -72,8 +120,9 @@ def semantic_diff(a: dict, b: dict) -> list[DiffEntry]:
 
 def format_diff(entries: list[DiffEntry], old_name: str, new_name: str, fmt: str = "text") -> str:
     if fmt == "json":
-        return json.dumps({"old": old_name, "new": new_name, "changes": [e.to_dict() for e in entries]}, indent=2,
-                          default=str)
+        return json.dumps(
+            {"old": old_name, "new": new_name, "changes": [e.to_dict() for e in entries]}, indent=2, default=str
+        )
     if not entries:
         return f"{old_name} -> {new_name}: no semantic change" + ("\n" if fmt == "text" else "")
     lines = []

@@ -1,4 +1,5 @@
 """`lfa generate`: task + model + hardware -> plan -> rendered recipe folder (the glue between the stages)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,16 +14,26 @@ from ..data import DatasetProfile, profile_dataset
 from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import LF_FLASH_ATTN
-from ..strategy import Offload, Optimizer, Sharding
 from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
+from ..strategy import Offload, Optimizer, Sharding
+from ..tasks import TaskSpec, load_task
 from ..throughput import speed_basis
 from .read import load_recipe, parse_value
 from .render import RecipeInputs, nvme_setup, relative_to_dir, render_recipe
-from ..tasks import TaskSpec, load_task
 
 LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
-TASK_HYPERPARAMETERS = {"cutoff_len", "learning_rate", "num_train_epochs", "lr_scheduler_type", "min_lr",
-                        "warmup_ratio", "effective_batch_size", "ddp_timeout", "max_steps", "seed"}
+TASK_HYPERPARAMETERS = {
+    "cutoff_len",
+    "learning_rate",
+    "num_train_epochs",
+    "lr_scheduler_type",
+    "min_lr",
+    "warmup_ratio",
+    "effective_batch_size",
+    "ddp_timeout",
+    "max_steps",
+    "seed",
+}
 
 
 @dataclass
@@ -72,15 +83,32 @@ def parse_sets(sets: tuple[str, ...]) -> dict:
     return values
 
 
-PINNABLE = {"micro_batch_size": int, "gradient_checkpointing": bool, "liger": bool, "attention": str,
-            "deepspeed": str, "sharding": str, "offload": str, "optimizer": str, "alloc_conf": str,
-            "padding_free": bool}
+PINNABLE = {
+    "micro_batch_size": int,
+    "gradient_checkpointing": bool,
+    "liger": bool,
+    "attention": str,
+    "deepspeed": str,
+    "sharding": str,
+    "offload": str,
+    "optimizer": str,
+    "alloc_conf": str,
+    "padding_free": bool,
+}
 
 
 # what each task hyper-parameter must be; (type, lowest allowed value)
-HYPERPARAMETER_RULES = {"learning_rate": (float, 0.0), "min_lr": (float, 0.0), "num_train_epochs": (float, 0.0),
-                        "warmup_ratio": (float, 0.0), "cutoff_len": (int, 1), "effective_batch_size": (int, 1),
-                        "max_steps": (int, -1), "ddp_timeout": (int, 1), "seed": (int, 0)}
+HYPERPARAMETER_RULES = {
+    "learning_rate": (float, 0.0),
+    "min_lr": (float, 0.0),
+    "num_train_epochs": (float, 0.0),
+    "warmup_ratio": (float, 0.0),
+    "cutoff_len": (int, 1),
+    "effective_batch_size": (int, 1),
+    "max_steps": (int, -1),
+    "ddp_timeout": (int, 1),
+    "seed": (int, 0),
+}
 
 
 def check_hyperparameters(hp: dict) -> None:
@@ -90,7 +118,11 @@ def check_hyperparameters(hp: dict) -> None:
         if key not in hp:
             continue
         value = hp[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind is int and not isinstance(value, int))
+        ):
             problems.append(f"{key}={value!r} is not {'an integer' if kind is int else 'a number'}")
         elif value < lowest or (kind is float and key in ("learning_rate", "num_train_epochs") and value <= 0):
             problems.append(f"{key}={value} must be {'> 0' if kind is float else f'>= {lowest}'}")
@@ -134,8 +166,10 @@ def _stage1_model(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
     # layout recipes/<task>/<hardware>/: stage 1 lives at recipes/<model_from_task>/<same hardware>/
     stage1 = request.out_dir.parent.parent / task.model_from_task / request.out_dir.name / f"{request.name}.yaml"
     if not stage1.is_file():
-        raise UserError(f"task {task.name} trains on {task.model_from_task}'s output model: generate "
-                        f"{task.model_from_task} into {stage1.parent} first, or pass --model")
+        raise UserError(
+            f"task {task.name} trains on {task.model_from_task}'s output model: generate "
+            f"{task.model_from_task} into {stage1.parent} first, or pass --model"
+        )
     recipe = load_recipe(stage1)
     output = relative_to_dir(str(stage1.parent / str(recipe.data["output_dir"])), request.out_dir)
     stage1_model = stage1.parent / str(recipe.data["model_name_or_path"])
@@ -151,9 +185,12 @@ def with_swap_folder(hardware: HardwareProfile, folder: str) -> HardwareProfile:
     disk = hardware.disk or DiskSpec(path=folder, free_gib=0.0, source="--nvme-path")
     try:
         free = round(shutil.disk_usage(existing).free / 2**30, 1)
-        disk = dataclasses.replace(disk, path=folder, free_gib=free,
-                                   source=(disk.source + "; " if disk.source else "") +
-                                   f"free space measured at {existing} by lfa generate")
+        disk = dataclasses.replace(
+            disk,
+            path=folder,
+            free_gib=free,
+            source=(disk.source + "; " if disk.source else "") + f"free space measured at {existing} by lfa generate",
+        )
     except OSError:
         disk = dataclasses.replace(disk, path=folder)
     return dataclasses.replace(hardware, disk=disk)
@@ -166,8 +203,9 @@ def generate(request: GenerateRequest) -> Generated:
         hardware = with_swap_folder(hardware, request.nvme_path)
     if request.gpus is not None:
         if request.gpus < 1 or (hardware.has_gpu and request.gpus > hardware.gpus_per_node * hardware.nodes):
-            raise UserError(f"--gpus {request.gpus}: {hardware.name} has {hardware.world_size} GPU(s); use 1.."
-                            f"{hardware.world_size}")
+            raise UserError(
+                f"--gpus {request.gpus}: {hardware.name} has {hardware.world_size} GPU(s); use 1..{hardware.world_size}"
+            )
         hardware = dataclasses.replace(hardware, nodes=1, gpus_per_node=request.gpus)
     if request.model:
         recipe_model, shape_model = request.model, request.model
@@ -199,22 +237,33 @@ def generate(request: GenerateRequest) -> Generated:
     else:
         raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
     versions = installed_versions()
-    liger_ok = spec.arch in LIGER_MODEL_TYPES and (request.hardware != "detect" or versions.get("liger-kernel") is not None)
+    liger_ok = spec.arch in LIGER_MODEL_TYPES and (
+        request.hardware != "detect" or versions.get("liger-kernel") is not None
+    )
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
     if request.launcher == "ray" and hardware.world_size == 1:
         raise UserError("--launcher ray needs several GPUs or nodes: one process needs no launcher")
     if request.launcher == "ray" and not hardware.has_gpu:
-        raise UserError("--launcher ray needs GPUs: LLaMA-Factory's Ray path counts every CPU of a CPU-only machine "
-                        "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
-                        "--launcher torchrun")
-    options = PlanOptions(allow_packing=request.allow_packing, sort_steps=request.sort_steps, liger_available=liger_ok,
-                          launcher=request.launcher,
-                          flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
-                          mean_seq_fraction=mean_fraction, fixed=fixed,
-                          allow_optimizer_change=request.allow_optimizer_change)
+        raise UserError(
+            "--launcher ray needs GPUs: LLaMA-Factory's Ray path counts every CPU of a CPU-only machine "
+            "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
+            "--launcher torchrun"
+        )
+    options = PlanOptions(
+        allow_packing=request.allow_packing,
+        sort_steps=request.sort_steps,
+        liger_available=liger_ok,
+        launcher=request.launcher,
+        flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
+        mean_seq_fraction=mean_fraction,
+        fixed=fixed,
+        allow_optimizer_change=request.allow_optimizer_change,
+    )
     if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
-        raise UserError(f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16")
+        raise UserError(
+            f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16"
+        )
     epochs, cutoff = float(hp.get("num_train_epochs", 1.0)), int(hp["cutoff_len"])
     rows = profile.rows if profile else None
     try:
@@ -223,32 +272,61 @@ def generate(request: GenerateRequest) -> Generated:
         listing = options_listing(exc.priced, hardware, cutoff, mean_fraction, rows, epochs, fixed.get("optimizer"))
         raise NoPlanFits("\n".join([str(exc), *listing]), exc.priced) from None
     chosen = result.chosen.plan
-    meta = {"model": shape_model, "effective_batch_size": int(hp["effective_batch_size"]),
-            "mean_seq_fraction": round(mean_fraction, 4), "allow_packing": request.allow_packing,
-            "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
-            "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
-            "predicted_host_gib": round(result.chosen.host.total_gib, 1)}
+    meta = {
+        "model": shape_model,
+        "effective_batch_size": int(hp["effective_batch_size"]),
+        "mean_seq_fraction": round(mean_fraction, 4),
+        "allow_packing": request.allow_packing,
+        "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
+        "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
+        "predicted_host_gib": round(result.chosen.host.total_gib, 1),
+    }
     if result.chosen.disk_gib:
         meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
     if profile:
         meta["dataset_rows"] = profile.rows
     output_dir = f"saves/{task.name}"
-    inputs = RecipeInputs(task=task, plan=result.chosen.plan, hardware=hardware, model_path=recipe_model,
-                          dataset_file=dataset_file, output_dir=output_dir, chat_template=chat_template,
-                          command=request.command or "lfa generate " + shlex.join(["--task", task.name]),
-                          recipe_name=request.name, hyperparameters=hp, extra=extra,
-                          offline=local_model,
-                          save_steps=request.save_steps, logging_steps=request.logging_steps, meta=meta,
-                          llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
-                          report_to=request.report_to, nvme=nvme_setup(chosen, spec, hardware))
-    return Generated(files=render_recipe(inputs), result=result, model=spec, hardware=hardware, task=task,
-                     dataset=profile, hyperparameters=hp,
-                     listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs,
-                                             fixed.get("optimizer")))
+    inputs = RecipeInputs(
+        task=task,
+        plan=result.chosen.plan,
+        hardware=hardware,
+        model_path=recipe_model,
+        dataset_file=dataset_file,
+        output_dir=output_dir,
+        chat_template=chat_template,
+        command=request.command or "lfa generate " + shlex.join(["--task", task.name]),
+        recipe_name=request.name,
+        hyperparameters=hp,
+        extra=extra,
+        offline=local_model,
+        save_steps=request.save_steps,
+        logging_steps=request.logging_steps,
+        meta=meta,
+        llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
+        report_to=request.report_to,
+        nvme=nvme_setup(chosen, spec, hardware),
+    )
+    return Generated(
+        files=render_recipe(inputs),
+        result=result,
+        model=spec,
+        hardware=hardware,
+        task=task,
+        dataset=profile,
+        hyperparameters=hp,
+        listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs, fixed.get("optimizer")),
+    )
 
 
-def options_listing(priced, hardware: HardwareProfile, seq_len: int, mean_fraction: float, rows: int | None,
-                    epochs: float, pinned_optimizer: str | None = None) -> list[str]:
+def options_listing(
+    priced,
+    hardware: HardwareProfile,
+    seq_len: int,
+    mean_fraction: float,
+    rows: int | None,
+    epochs: float,
+    pinned_optimizer: str | None = None,
+) -> list[str]:
     options = machine_options(priced)
     basis = speed_basis(hardware, options[0].candidate.plan) if options else ""
     return format_machine_options(options, seq_len, mean_fraction, rows, epochs, basis, pinned_optimizer)

@@ -1,4 +1,5 @@
 """Golden recipes kept in step with the generator: `lfa generate --check` regenerates recipes/manifest.yaml."""
+
 from __future__ import annotations
 
 import difflib
@@ -10,7 +11,6 @@ import yaml
 
 from .. import UserError
 from .generate import GenerateRequest, generate
-
 
 # golden recipes are written for this LLaMA-Factory unless their manifest entry names another (`llamafactory:`),
 # so `--check` gives the same answer whatever is installed
@@ -35,18 +35,31 @@ def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDE
         else:
             values[key] = args[i + 1]
         i += 2
-    return GenerateRequest(task=values["task"], out_dir=out_dir, model=values.get("model"),
-                           dataset=values.get("dataset"), template=values.get("template"),
-                           hardware=values.get("hardware", "detect"), gpus=int(values["gpus"]) if "gpus" in values else None,
-                           allow_packing="allow_packing" in flags, sort_steps="no_sorted_steps" not in flags,
-                           precision=values.get("precision"), sets=tuple(sets), pins=tuple(pins),
-                           launcher=values.get("launcher", "torchrun"), llamafactory_version=values.get("llamafactory_version", llamafactory),
-                           command="lfa generate " + shlex.join(args))
+    return GenerateRequest(
+        task=values["task"],
+        out_dir=out_dir,
+        model=values.get("model"),
+        dataset=values.get("dataset"),
+        template=values.get("template"),
+        hardware=values.get("hardware", "detect"),
+        gpus=int(values["gpus"]) if "gpus" in values else None,
+        allow_packing="allow_packing" in flags,
+        sort_steps="no_sorted_steps" not in flags,
+        precision=values.get("precision"),
+        sets=tuple(sets),
+        pins=tuple(pins),
+        launcher=values.get("launcher", "torchrun"),
+        llamafactory_version=values.get("llamafactory_version", llamafactory),
+        command="lfa generate " + shlex.join(args),
+    )
 
 
 def golden_files(root: Path, entry: dict) -> dict[str, str]:
-    return generate(_request_from_args(list(entry["args"]), root / entry["dir"],
-                                       str(entry.get("llamafactory", GOLDEN_LLAMAFACTORY)))).files
+    return generate(
+        _request_from_args(
+            list(entry["args"]), root / entry["dir"], str(entry.get("llamafactory", GOLDEN_LLAMAFACTORY))
+        )
+    ).files
 
 
 def check_goldens(root: Path) -> list[str]:
@@ -62,10 +75,15 @@ def check_goldens(root: Path) -> list[str]:
             path = folder / name
             old = path.read_text() if path.is_file() else ""
             if old != text:
-                diff = difflib.unified_diff(old.splitlines(), text.splitlines(), str(path), "regenerated", lineterm="", n=0)
+                diff = difflib.unified_diff(
+                    old.splitlines(), text.splitlines(), str(path), "regenerated", lineterm="", n=0
+                )
                 drift += list(diff)[:40] or [f"{path}: missing"]
-        drift += [f"{path}: no longer generated" for path in sorted(folder.glob("*"))
-                  if path.is_file() and path.name not in files]
+        drift += [
+            f"{path}: no longer generated"
+            for path in sorted(folder.glob("*"))
+            if path.is_file() and path.name not in files
+        ]
     return drift
 
 

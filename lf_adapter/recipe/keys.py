@@ -3,14 +3,15 @@ plan_keys(), `lfa train` diffs attempts with it, and read-back (review, the supe
 plan_from_keys(). The DeepSpeed JSON and the accelerate config are files beside the recipe: their names come from
 here, their contents from render.py, and reading a DeepSpeed JSON back from recipe_file.deepspeed_setup(). The
 launch environment a plan needs (launch_env) lives here too: launch.sh renders it, `lfa train` applies it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
-from ..strategy import Offload, Optimizer, Sharding
 from ..plugin import contract
+from ..strategy import Offload, Optimizer, Sharding
 
 
 def truthy(value) -> bool:
@@ -29,8 +30,13 @@ def deepspeed_file_name(plan: Plan) -> str | None:
 OPTIMIZER_KEYS = {
     Optimizer.ADAMW: {},
     Optimizer.ADAMW_8BIT: {"optim": "adamw_bnb_8bit"},
-    Optimizer.BADAM: {"use_badam": True, "badam_mode": "layer", "badam_switch_mode": "ascending",
-                      "badam_switch_interval": 50, "badam_verbose": 1},
+    Optimizer.BADAM: {
+        "use_badam": True,
+        "badam_mode": "layer",
+        "badam_switch_mode": "ascending",
+        "badam_switch_interval": 50,
+        "badam_verbose": 1,
+    },
 }
 
 
@@ -62,22 +68,34 @@ def precision_from_keys(data: dict) -> str:
     return "bf16" if truthy(data.get("bf16")) else "fp16" if truthy(data.get("fp16")) else "fp32"
 
 
-def plan_from_keys(data: dict, meta: dict, hardware: HardwareProfile, deepspeed: tuple[str | None, str],
-                   micro_batch_size: int, grad_accum: int) -> Plan:
+def plan_from_keys(
+    data: dict,
+    meta: dict,
+    hardware: HardwareProfile,
+    deepspeed: tuple[str | None, str],
+    micro_batch_size: int,
+    grad_accum: int,
+) -> Plan:
     """The plan a recipe's keys describe. deepspeed: (stage name or None, offload) read from its DeepSpeed JSON;
     FSDP2 and lfa's plugin settings (sorted steps, allocator, launcher) come from the lfa-meta header."""
     stage, offload = deepspeed
     flash_attn = str(data.get("flash_attn", "auto"))
     return Plan(
-        precision=precision_from_keys(data), micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-        world_size=hardware.world_size, nodes=hardware.nodes, on_cpu=not hardware.has_gpu,
+        precision=precision_from_keys(data),
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        world_size=hardware.world_size,
+        nodes=hardware.nodes,
+        on_cpu=not hardware.has_gpu,
         gradient_checkpointing=not truthy(data.get("disable_gradient_checkpointing", False)),
         liger=truthy(data.get("enable_liger_kernel", False)),
         attention=ATTENTION_FROM_LF.get(flash_attn, flash_attn),
-        sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE), offload=offload,
+        sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE),
+        offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
         padding_free=bool(meta.get("padding_free", False)),
-        sorted_steps=bool(meta.get("sorted_steps", False)), alloc_conf=meta.get("alloc_conf"),
+        sorted_steps=bool(meta.get("sorted_steps", False)),
+        alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
         optimizer=optimizer_from_keys(data),
     )
@@ -92,6 +110,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 @dataclass(frozen=True)
 class LaunchEnv:
     """One exported variable, its value (shell syntax allowed in launch.sh) and why it is set."""
+
     name: str
     value: str
     why: str
@@ -101,46 +120,99 @@ class LaunchEnv:
 REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
 
 
-def launch_env(plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None,
-               report_to=None) -> list[LaunchEnv]:
+def launch_env(
+    plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None, report_to=None
+) -> list[LaunchEnv]:
     """Pure: the variables a plan needs. launch.sh renders them; `lfa train` applies them. report_to: the
     recipe's LLaMA-Factory `report_to` (a name or a list)."""
-    env = [LaunchEnv("DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers")]
+    env = [
+        LaunchEnv(
+            "DISABLE_VERSION_CHECK", "1", "lfa pins and tests the stack; LF's check rejects newer torch/transformers"
+        )
+    ]
     trackers = [report_to] if isinstance(report_to, str) else list(report_to or [])
     if "wandb" in trackers:
-        env.append(LaunchEnv("WANDB_MODE", "${WANDB_MODE:-offline}", "W&B logs offline unless you set WANDB_MODE "
-                                                                     "(`wandb sync` uploads later)"))
+        env.append(
+            LaunchEnv(
+                "WANDB_MODE",
+                "${WANDB_MODE:-offline}",
+                "W&B logs offline unless you set WANDB_MODE (`wandb sync` uploads later)",
+            )
+        )
     if offline:
-        env.append(LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked"))
+        env.append(
+            LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked")
+        )
     distributed = plan.distributed  # DeepSpeed, several processes or FSDP2 (whose branch comes first)
     if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
-        env += [LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
-                LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
-                LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port")]
+        env += [
+            LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
+            LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
+            LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port"),
+        ]
     elif plan.launcher == "ray":
-        env.append(LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)"))
+        env.append(
+            LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)")
+        )
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
     elif distributed:
         env += [
-            LaunchEnv("FORCE_TORCHRUN", "1", "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself"),
+            LaunchEnv(
+                "FORCE_TORCHRUN",
+                "1",
+                "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself",
+            ),
             LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
             LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
             LaunchEnv("NODE_RANK", "${NODE_RANK:-0}" if plan.nodes > 1 else "0", "this node's rank"),
             LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
-            LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node"),
+            LaunchEnv(
+                "MASTER_PORT",
+                f"${{MASTER_PORT:-{master_port}}}",
+                "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node",
+            ),
         ]
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
-    env.append(LaunchEnv(contract.DROP_PADDING_MASK, "1", "lfa plugin: right-padded batches train without a padding mask "
-                                                        "(exact under causal attention; SDPA keeps its flash kernel)"))
+    env.append(
+        LaunchEnv(
+            contract.DROP_PADDING_MASK,
+            "1",
+            "lfa plugin: right-padded batches train without a padding mask "
+            "(exact under causal attention; SDPA keeps its flash kernel)",
+        )
+    )
     if plan.padding_free:
-        env.append(LaunchEnv(contract.PADDING_FREE, "1", "lfa plugin: each micro-batch's rows flattened into one sequence, "
-                                                       "attention kept per row (no compute on padding, exact)"))
+        env.append(
+            LaunchEnv(
+                contract.PADDING_FREE,
+                "1",
+                "lfa plugin: each micro-batch's rows flattened into one sequence, "
+                "attention kept per row (no compute on padding, exact)",
+            )
+        )
     if plan.sorted_steps:
-        env.append(LaunchEnv(contract.SORTED_STEPS, "1", "lfa plugin: micro-batches sorted by length inside each optimizer "
-                                                       "step (same rows per step, less padding)"))
+        env.append(
+            LaunchEnv(
+                contract.SORTED_STEPS,
+                "1",
+                "lfa plugin: micro-batches sorted by length inside each optimizer "
+                "step (same rows per step, less padding)",
+            )
+        )
     if plan.alloc_conf:
         if distributed:
-            env.append(LaunchEnv("OPTIM_TORCH", "0", "otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children"))
-        env.append(LaunchEnv("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf, "allocator: reuse memory across changing "
-                                                                         "micro-batch shapes instead of fragmenting it"))
+            env.append(
+                LaunchEnv(
+                    "OPTIM_TORCH",
+                    "0",
+                    "otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children",
+                )
+            )
+        env.append(
+            LaunchEnv(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                plan.alloc_conf,
+                "allocator: reuse memory across changing micro-batch shapes instead of fragmenting it",
+            )
+        )
     return env

@@ -1,4 +1,5 @@
 """Reading a generated (or hand-written) LLaMA-Factory recipe back into lfa's values."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ import yaml
 from .. import UserError
 from ..hardware import HardwareProfile, load_profile, profile_from_dict
 from ..model_spec import ModelSpec, load_model_spec
-from .keys import plan_from_keys
 from ..plan import Plan
 from ..strategy import OFFLOADS, SHARDING_OF_STAGE, Offload
+from .keys import plan_from_keys
 
 
 @dataclass
@@ -34,8 +35,8 @@ class LlamaFactoryLoader(yaml.SafeLoader):
 
 
 LlamaFactoryLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 YAML_11_BOOL_WORDS = {"y", "n", "yes", "no", "on", "off"}
 
@@ -56,8 +57,12 @@ class RecipeLoader(LlamaFactoryLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"YAML alias *{event.anchor}: recipes may not use anchors "
-                                              "and aliases (write each value out)", event.start_mark)
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"YAML alias *{event.anchor}: recipes may not use anchors and aliases (write each value out)",
+                event.start_mark,
+            )
         return super().compose_node(parent, index)
 
 
@@ -70,8 +75,10 @@ def load_recipe(path: str | Path) -> Recipe:
         raise UserError(f"recipe {path} does not exist")
     try:
         if path.stat().st_size > MAX_RECIPE_BYTES:
-            raise UserError(f"recipe {path} is {path.stat().st_size / 2**20:.1f} MiB: not a LLaMA-Factory recipe "
-                            f"(at most {MAX_RECIPE_BYTES // 2**20} MiB)")
+            raise UserError(
+                f"recipe {path} is {path.stat().st_size / 2**20:.1f} MiB: not a LLaMA-Factory recipe "
+                f"(at most {MAX_RECIPE_BYTES // 2**20} MiB)"
+            )
         text = path.read_text(encoding="utf-8")
         data = yaml.load(text, Loader=RecipeLoader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -82,7 +89,7 @@ def load_recipe(path: str | Path) -> Recipe:
     for line in text.splitlines():
         if line.startswith("# lfa-meta: "):
             try:
-                meta = json.loads(line[len("# lfa-meta: "):])
+                meta = json.loads(line[len("# lfa-meta: ") :])
             except json.JSONDecodeError:
                 raise UserError(f"{path}: the '# lfa-meta:' header is not valid JSON") from None
     return Recipe(path=path, data=data, meta=meta, text=text)
@@ -117,16 +124,27 @@ def deepspeed_setup(recipe: Recipe, workdir: Path | None = None) -> tuple[str | 
     param = (zero.get("offload_param") or {}).get("device")
     optimizer = (zero.get("offload_optimizer") or {}).get("device")
     device = param if param in ("cpu", "nvme") else optimizer
-    kind = next((name for name, k in OFFLOADS.items() if k.device == device and k.optimizer and
-                 k.parameters == (param in ("cpu", "nvme"))), Offload.NONE.value)
+    kind = next(
+        (
+            name
+            for name, k in OFFLOADS.items()
+            if k.device == device and k.optimizer and k.parameters == (param in ("cpu", "nvme"))
+        ),
+        Offload.NONE.value,
+    )
     return SHARDING_OF_STAGE.get(stage), str(kind)
 
 
 def nvme_swap_folders(deepspeed_config: dict) -> list[str]:
     """The swap folders a DeepSpeed config names for NVMe offload (empty without NVMe offload)."""
     zero = deepspeed_config.get("zero_optimization") or {}
-    return sorted({str(section["nvme_path"]) for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
-                   if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")})
+    return sorted(
+        {
+            str(section["nvme_path"])
+            for section in (zero.get("offload_optimizer"), zero.get("offload_param"))
+            if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path")
+        }
+    )
 
 
 def _int_key(recipe: Recipe, key: str, default: int) -> int:
@@ -138,9 +156,14 @@ def _int_key(recipe: Recipe, key: str, default: int) -> int:
 
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | None = None) -> Plan:
     try:
-        return plan_from_keys(recipe.data, recipe.meta, hardware, deepspeed_setup(recipe, workdir),
-                              _int_key(recipe, "per_device_train_batch_size", 1),
-                              _int_key(recipe, "gradient_accumulation_steps", 1))
+        return plan_from_keys(
+            recipe.data,
+            recipe.meta,
+            hardware,
+            deepspeed_setup(recipe, workdir),
+            _int_key(recipe, "per_device_train_batch_size", 1),
+            _int_key(recipe, "gradient_accumulation_steps", 1),
+        )
     except ValueError as exc:  # a value outside lfa's vocabularies, e.g. flash_attn: flash
         raise UserError(f"{recipe.path}: {exc}") from None
 

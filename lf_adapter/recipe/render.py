@@ -1,4 +1,5 @@
 """Stage 6: plan + task -> recipe folder (YAML recipe, DeepSpeed JSON, dataset_info.json, launch.sh) via Jinja."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ from .. import UserError, __version__, templates_dir
 from ..hardware import HardwareProfile
 from ..memory import NvmeSettings, nvme_settings
 from ..model_spec import ModelSpec
-from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, launch_env, plan_keys
 from ..plan import Plan
-from ..tasks import TaskSpec, chat_template_files
 from ..strategy import Sharding
+from ..tasks import TaskSpec, chat_template_files
+from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, launch_env, plan_keys
 
 
 def yaml_float(value) -> str:
@@ -32,8 +33,12 @@ def yaml_float(value) -> str:
 
 
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
     env.filters["yaml_float"] = yaml_float
     env.filters["yaml_scalar"] = yaml_scalar
     return env
@@ -86,26 +91,36 @@ class NvmeSetup:
     settings: NvmeSettings
 
 
-def nvme_setup(plan: Plan, model: ModelSpec | None, hardware: HardwareProfile | None,
-               nvme_path: str | None = None) -> NvmeSetup | None:
+def nvme_setup(
+    plan: Plan, model: ModelSpec | None, hardware: HardwareProfile | None, nvme_path: str | None = None
+) -> NvmeSetup | None:
     """The swap folder and buffer settings of an NVMe offload plan; None for other plans."""
     if not plan.offloads_to_nvme:
         return None
     path = nvme_path or (hardware.disk.path if hardware is not None and hardware.disk is not None else None)
     if model is None or path is None:
-        raise UserError(f"{plan.label()} swaps to a disk: the hardware profile needs a disk entry (lfa detect "
-                        "--measure-disk --save FILE, or disk: {path: DIR, free_gib: N} in the profile) and the model "
-                        "shape must be known")
+        raise UserError(
+            f"{plan.label()} swaps to a disk: the hardware profile needs a disk entry (lfa detect "
+            "--measure-disk --save FILE, or disk: {path: DIR, free_gib: N} in the profile) and the model "
+            "shape must be known"
+        )
     return NvmeSetup(path=path, settings=nvme_settings(model))
 
 
 def render_deepspeed(plan: Plan, nvme: NvmeSetup | None = None) -> tuple[str, str]:
     if plan.offloads_to_nvme and nvme is None:
         raise UserError(f"{plan.label()}: NVMe offload needs its swap folder")
-    text = _environment().get_template("deepspeed/zero.json.j2").render(
-        stage=plan.deepspeed_stage, offload_optimizer=plan.offloads_optimizer,
-        offload_param=plan.offloads_parameters and plan.shards_parameters,
-        device=plan.offload_kind.device, nvme=nvme)
+    text = (
+        _environment()
+        .get_template("deepspeed/zero.json.j2")
+        .render(
+            stage=plan.deepspeed_stage,
+            offload_optimizer=plan.offloads_optimizer,
+            offload_param=plan.offloads_parameters and plan.shards_parameters,
+            device=plan.offload_kind.device,
+            nvme=nvme,
+        )
+    )
     json.loads(text)  # the template must stay valid JSON
     return deepspeed_file_name(plan), text
 
@@ -114,9 +129,15 @@ def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
     """(file name, text) of the accelerate config an FSDP2 plan launches with; None for other strategies."""
     if plan.sharding != Sharding.FSDP2:
         return None
-    text = _environment().get_template("launch/accelerate_fsdp2.yaml.j2").render(
-        lfa_version=__version__, on_cpu=plan.on_cpu,
-        mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "'no'"))
+    text = (
+        _environment()
+        .get_template("launch/accelerate_fsdp2.yaml.j2")
+        .render(
+            lfa_version=__version__,
+            on_cpu=plan.on_cpu,
+            mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "'no'"),
+        )
+    )
     return ACCELERATE_FSDP2_FILE, text
 
 
@@ -133,48 +154,98 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     if accelerate_config:
         files[accelerate_config[0]] = accelerate_config[1]
     recipe_file = f"{inputs.recipe_name}.yaml"
-    meta = {"lfa_version": __version__, "task": inputs.task.name, "hardware": inputs.hardware.to_dict(),
-            "plan": plan.label(), "sorted_steps": plan.sorted_steps, "alloc_conf": plan.alloc_conf,
-            "launcher": plan.launcher, "llamafactory_version": inputs.llamafactory_version, **inputs.meta}
+    meta = {
+        "lfa_version": __version__,
+        "task": inputs.task.name,
+        "hardware": inputs.hardware.to_dict(),
+        "plan": plan.label(),
+        "sorted_steps": plan.sorted_steps,
+        "alloc_conf": plan.alloc_conf,
+        "launcher": plan.launcher,
+        "llamafactory_version": inputs.llamafactory_version,
+        **inputs.meta,
+    }
     if plan.padding_free:  # lfa's plugin, not a LLaMA-Factory key: the header says so
         meta["padding_free"] = True
     if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)
     files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
-        lfa_version=__version__, task=inputs.task, hardware=inputs.hardware, command=inputs.command,
-        meta_json=json.dumps(meta, sort_keys=True), model_path=inputs.model_path, keys=keys,
-        model_from_task=inputs.task.model_from_task, plan=plan, deepspeed_file=deepspeed_file,
-        dataset_name=inputs.task.dataset.name, dataset_dir=".", chat_template=inputs.chat_template,
-        plugin_template=inputs.chat_template in chat_template_files(), hp=hp,
-        preprocessing_workers=1 if plan.on_cpu else 8, dataloader_workers=0 if plan.on_cpu else 4,
-        output_dir=inputs.output_dir, logging_steps=inputs.logging_steps, save_steps=inputs.save_steps,
-        save_total_limit=3, extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
+        lfa_version=__version__,
+        task=inputs.task,
+        hardware=inputs.hardware,
+        command=inputs.command,
+        meta_json=json.dumps(meta, sort_keys=True),
+        model_path=inputs.model_path,
+        keys=keys,
+        model_from_task=inputs.task.model_from_task,
+        plan=plan,
+        deepspeed_file=deepspeed_file,
+        dataset_name=inputs.task.dataset.name,
+        dataset_dir=".",
+        chat_template=inputs.chat_template,
+        plugin_template=inputs.chat_template in chat_template_files(),
+        hp=hp,
+        preprocessing_workers=1 if plan.on_cpu else 8,
+        dataloader_workers=0 if plan.on_cpu else 4,
+        output_dir=inputs.output_dir,
+        logging_steps=inputs.logging_steps,
+        save_steps=inputs.save_steps,
+        save_total_limit=3,
+        extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
         ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
-        ray_logical_cpus=ray_logical_cpus(inputs.hardware), report_to=inputs.report_to,
-        optimizer_keys=OPTIMIZER_KEYS[plan.optimizer])
-    files["dataset_info.json"] = json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+        ray_logical_cpus=ray_logical_cpus(inputs.hardware),
+        report_to=inputs.report_to,
+        optimizer_keys=OPTIMIZER_KEYS[plan.optimizer],
+    )
+    files["dataset_info.json"] = (
+        json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+    )
     hw = inputs.hardware
-    env_entries = [(e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
-                   for e in launch_env(plan, offline=inputs.offline, master_port=hw.master_port,
-                                       master_addr=hw.master_addr, report_to=inputs.report_to)]
+    env_entries = [
+        (e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
+        for e in launch_env(
+            plan,
+            offline=inputs.offline,
+            master_port=hw.master_port,
+            master_addr=hw.master_addr,
+            report_to=inputs.report_to,
+        )
+    ]
     files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
-        lfa_version=__version__, recipe_file=recipe_file, env=env_entries,
-        accelerate_config=accelerate_config[0] if accelerate_config else None, world=plan.world_size,
-        nodes=hw.nodes, master_port=hw.master_port)
-    common = dict(lfa_version=__version__, recipe_file=recipe_file, nodes=hw.nodes, world=plan.world_size,
-                  per_node=plan.world_size // max(1, hw.nodes), master_addr=hw.master_addr or "NODE0_ADDRESS",
-                  master_port=hw.master_port, run_name=inputs.task.name, hosts=list(hw.hosts))
+        lfa_version=__version__,
+        recipe_file=recipe_file,
+        env=env_entries,
+        accelerate_config=accelerate_config[0] if accelerate_config else None,
+        world=plan.world_size,
+        nodes=hw.nodes,
+        master_port=hw.master_port,
+    )
+    common = dict(
+        lfa_version=__version__,
+        recipe_file=recipe_file,
+        nodes=hw.nodes,
+        world=plan.world_size,
+        per_node=plan.world_size // max(1, hw.nodes),
+        master_addr=hw.master_addr or "NODE0_ADDRESS",
+        master_port=hw.master_port,
+        run_name=inputs.task.name,
+        hosts=list(hw.hosts),
+    )
     if hw.nodes > 1 and plan.launcher == "torchrun":
         for rank in range(hw.nodes):
             files[f"launch-node-{rank}.sh"] = env.get_template("launch/node.sh.j2").render(
-                rank=rank, host=hw.hosts[rank] if rank < len(hw.hosts) else None, **common)
+                rank=rank, host=hw.hosts[rank] if rank < len(hw.hosts) else None, **common
+            )
     if hw.has_gpu and plan.world_size > 1 and plan.launcher == "torchrun":
         files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(cpus=hw.cpu_cores, **common)
     if plan.launcher == "ray" and hw.nodes > 1:
         files["ray-cluster.sh"] = env.get_template("launch/ray-cluster.sh.j2").render(
-            ray_port=6379, ray_logical_cpus=ray_logical_cpus(hw), env=[e for e in env_entries if e[0] != "USE_RAY"],
-            **common)
+            ray_port=6379,
+            ray_logical_cpus=ray_logical_cpus(hw),
+            env=[e for e in env_entries if e[0] != "USE_RAY"],
+            **common,
+        )
     return files
 
 

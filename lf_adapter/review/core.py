@@ -1,6 +1,7 @@
 """`lfa review`: validate recipes with LLaMA-Factory's own argument parsing plus lfa's rules, and summarize them
 for a pull request (plan, memory against the budget, tokens per step, predicted speed and wall time, and what
 changed against the base branch)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -27,8 +28,9 @@ def _model_spec(recipe: Recipe, model: str | None, workdir: Path) -> ModelSpec |
 def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
     """semantic_view of the recipe as it is at a git ref (e.g. origin/main): the 'what changed' of a PR review."""
     try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent, capture_output=True, text=True,
-                             check=True).stdout.strip()
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=path.parent, capture_output=True, text=True, check=True
+        ).stdout.strip()
         rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
         shown = subprocess.run(["git", "show", f"{base_ref}:{rel}"], cwd=top, capture_output=True, text=True)
     except (subprocess.CalledProcessError, ValueError, OSError) as exc:
@@ -57,8 +59,13 @@ def recipe_workdir(recipe: Recipe, workdir: str | Path | None) -> Path:
     return recipe.folder if recipe.meta or launch_script(recipe) is not None else Path.cwd()
 
 
-def review_recipe(path: str | Path, hardware: str | None = None, model: str | None = None,
-                  base_ref: str | None = None, workdir: str | Path | None = None) -> RecipeReview:
+def review_recipe(
+    path: str | Path,
+    hardware: str | None = None,
+    model: str | None = None,
+    base_ref: str | None = None,
+    workdir: str | Path | None = None,
+) -> RecipeReview:
     """Every rule runs on any recipe lfa can parse: a missing or unreadable file is one finding, never an abort."""
     recipe = load_recipe(path)
     lines = key_lines(recipe.text)
@@ -70,9 +77,15 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
     except UserError:  # an unreadable DeepSpeed JSON or a batch key that is no integer: each has its own finding;
         # the summary plans without what cannot be read
         unreadable_ds = bool(recipe.data.get("deepspeed"))
-        readable = {k: v for k, v in recipe.data.items() if k != "deepspeed" and not (
-            k in ("per_device_train_batch_size", "gradient_accumulation_steps") and
-            (isinstance(v, bool) or not isinstance(v, int) or v < 1))}
+        readable = {
+            k: v
+            for k, v in recipe.data.items()
+            if k != "deepspeed"
+            and not (
+                k in ("per_device_train_batch_size", "gradient_accumulation_steps")
+                and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+            )
+        }
         plan = plan_from_recipe(Recipe(recipe.path, readable, recipe.meta, recipe.text), hw)
         try:
             stage, offload = deepspeed_setup(recipe, where)
@@ -83,9 +96,15 @@ def review_recipe(path: str | Path, hardware: str | None = None, model: str | No
     review = RecipeReview(path=str(recipe.path))
     review.findings = llamafactory_findings(recipe, lines) + lfa_findings(recipe, hw, plan, lines, spec, where)
     if unreadable_ds:
-        review.findings.append(Finding("info", "memory_without_deepspeed", "memory and speed below assume no "
-                                       "DeepSpeed: its config could not be read", str(recipe.path),
-                                       lines.get("deepspeed", 1)))
+        review.findings.append(
+            Finding(
+                "info",
+                "memory_without_deepspeed",
+                "memory and speed below assume no DeepSpeed: its config could not be read",
+                str(recipe.path),
+                lines.get("deepspeed", 1),
+            )
+        )
     review.findings.sort(key=lambda f: (SEVERITIES.index(f.severity), f.line))
     review.summary = summarize(recipe, hw, plan, spec, where)
     if base_ref:

@@ -1,4 +1,5 @@
 """A review finding, a recipe's review, and where a key sits in the YAML text (file:line)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -25,8 +26,6 @@ class Finding:
 
 
 @dataclass
-
-
 class RecipeReview:
     path: str
     findings: list[Finding] = field(default_factory=list)
@@ -39,9 +38,13 @@ class RecipeReview:
         return [f for f in self.findings if f.severity == "error"]
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "findings": [f.to_dict() for f in self.findings],
-                "summary": self.summary.to_dict() if self.summary else {},
-                "base": self.base, "diff": None if self.diff is None else [e.to_dict() for e in self.diff]}
+        return {
+            "path": self.path,
+            "findings": [f.to_dict() for f in self.findings],
+            "summary": self.summary.to_dict() if self.summary else {},
+            "base": self.base,
+            "diff": None if self.diff is None else [e.to_dict() for e in self.diff],
+        }
 
 
 def _top_level_nodes(text: str) -> list[tuple[yaml.Node, yaml.Node]]:

@@ -1,11 +1,12 @@
 """Review output: text, GitHub annotations, Markdown for a pull request, JSON."""
+
 from __future__ import annotations
 
 import json
 
+from ..planner import duration_text
 from ..recipe.diff import format_diff
 from .findings import RecipeReview
-from ..planner import duration_text
 
 
 def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
@@ -27,8 +28,10 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         s = r.summary
         if s is None:
             continue
-        line = f"{r.path}: {s.plan} on {s.hardware}, effective batch {s.effective_batch}, " \
-               f"~{s.tokens_per_step:,} tokens/step" + (f" ({s.tokens_basis})" if s.tokens_basis else "")
+        line = (
+            f"{r.path}: {s.plan} on {s.hardware}, effective batch {s.effective_batch}, "
+            f"~{s.tokens_per_step:,} tokens/step" + (f" ({s.tokens_basis})" if s.tokens_basis else "")
+        )
         if s.reserved_gib is not None:
             line += f", {s.reserved_gib:.1f} of {s.budget_gib:.1f} GiB"
         if s.host_gib is not None:
@@ -45,8 +48,10 @@ def format_reviews(reviews: list[RecipeReview], fmt: str) -> str:
         elif r.base:
             out.append(f"  ({r.base})")
     errors = sum(len(r.errors) for r in reviews)
-    out.append(f"lfa review: {len(reviews)} recipe(s), {errors} error(s), "
-               f"{sum(1 for r in reviews for f in r.findings if f.severity == 'warning')} warning(s)")
+    out.append(
+        f"lfa review: {len(reviews)} recipe(s), {errors} error(s), "
+        f"{sum(1 for r in reviews for f in r.findings if f.severity == 'warning')} warning(s)"
+    )
     return "\n".join(out) + "\n"
 
 
@@ -63,21 +68,33 @@ def _markdown(reviews: list[RecipeReview]) -> str:
         if r.findings:
             out += ["| | line | rule | finding |", "|---|---|---|---|"]
             icon = {"error": "❌", "warning": "⚠️", "info": "ℹ️"}
-            out += [f"| {icon[f.severity]} {f.severity} | {f.line} | `{f.rule}` | {_cell(f.message)} |"
-                    for f in r.findings]
+            out += [
+                f"| {icon[f.severity]} {f.severity} | {f.line} | `{f.rule}` | {_cell(f.message)} |" for f in r.findings
+            ]
         else:
             out.append("No findings.")
         if s is None:
             continue
-        out += ["", "| plan | effective batch | tokens/step | memory per GPU | host RAM per node | predicted speed | wall time |",
-                "|---|---|---|---|---|---|---|",
-                f"| `{s.plan}` on {s.hardware} | {s.effective_batch} = {s.micro_batch} x {s.grad_accum} x "
-                f"{s.gpus} | ~{s.tokens_per_step:,} | "
-                + (f"{s.reserved_gib:.1f} / {s.budget_gib:.1f} GiB" if s.reserved_gib is not None else "-") + " | "
-                + (f"{s.host_gib:.0f} / {s.host_ram_gib or 0:.0f} GiB" if s.host_gib is not None else "-") + " | "
-                + (f"~{s.predicted_tokens_per_s:,} tok/s" if s.predicted_tokens_per_s is not None else "-") + " | "
-                + (f"~{duration_text(s.predicted_wall_time_s)} ({s.dataset_rows:,} rows)" if s.predicted_wall_time_s is not None else "-")
-                + " |"]
+        out += [
+            "",
+            "| plan | effective batch | tokens/step | memory per GPU | host RAM per node | predicted speed "
+            "| wall time |",
+            "|---|---|---|---|---|---|---|",
+            f"| `{s.plan}` on {s.hardware} | {s.effective_batch} = {s.micro_batch} x {s.grad_accum} x "
+            f"{s.gpus} | ~{s.tokens_per_step:,} | "
+            + (f"{s.reserved_gib:.1f} / {s.budget_gib:.1f} GiB" if s.reserved_gib is not None else "-")
+            + " | "
+            + (f"{s.host_gib:.0f} / {s.host_ram_gib or 0:.0f} GiB" if s.host_gib is not None else "-")
+            + " | "
+            + (f"~{s.predicted_tokens_per_s:,} tok/s" if s.predicted_tokens_per_s is not None else "-")
+            + " | "
+            + (
+                f"~{duration_text(s.predicted_wall_time_s)} ({s.dataset_rows:,} rows)"
+                if s.predicted_wall_time_s is not None
+                else "-"
+            )
+            + " |",
+        ]
         if s.speed_basis is not None:
             out += ["", f"Speed and wall time rest on: {s.speed_basis}."]
         if s.memory_gib is not None:

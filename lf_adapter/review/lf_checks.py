@@ -1,4 +1,5 @@
 """LLaMA-Factory's own argument checks run on a recipe, and which keys depend on the installed versions."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,15 +43,11 @@ def installed_version(package: str) -> str | None:
 
 
 @lru_cache(maxsize=1)
-
-
 def version_keys() -> list[dict]:
     return yaml.safe_load((catalog_dir() / "review" / "version_keys.yaml").read_text())
 
 
 @lru_cache(maxsize=1)
-
-
 def llamafactory_fields() -> dict[str, object] | None:
     """Every key LLaMA-Factory's train parser accepts -> its type annotation (None without LLaMA-Factory)."""
     try:
@@ -70,8 +67,6 @@ def llamafactory_fields() -> dict[str, object] | None:
 
 
 @lru_cache(maxsize=1)
-
-
 def llamafactory_templates() -> frozenset[str] | None:
     """LLaMA-Factory's chat templates with lfa's registered (None without LLaMA-Factory)."""
     from ..plugin import hooks
@@ -86,8 +81,6 @@ def llamafactory_templates() -> frozenset[str] | None:
 
 
 @contextlib.contextmanager
-
-
 def _quiet():
     """LLaMA-Factory and transformers log at import and parse time; review prints findings only."""
     os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
@@ -137,27 +130,55 @@ def llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Finding
     fields = llamafactory_fields()
     path = str(recipe.path)
     if fields is None:
-        return [Finding("info", "llamafactory_missing", "LLaMA-Factory is not importable here: only lfa's rules ran "
-                        "(pip install 'lf-adapter[train]')", path)]
+        return [
+            Finding(
+                "info",
+                "llamafactory_missing",
+                "LLaMA-Factory is not importable here: only lfa's rules ran (pip install 'lf-adapter[train]')",
+                path,
+            )
+        ]
     findings = []
     written = raw_scalars(recipe.text)
     for key, value in recipe.data.items():
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.75)
             hint = f"; did you mean `{close[0]}`?" if close else ""
-            findings.append(Finding("error", "unknown_key", f"`{key}` is not a LLaMA-Factory argument{hint}",
-                                    path, lines.get(key, 1)))
+            findings.append(
+                Finding(
+                    "error", "unknown_key", f"`{key}` is not a LLaMA-Factory argument{hint}", path, lines.get(key, 1)
+                )
+            )
         elif isinstance(value, bool) and not _accepts(fields[key], value):
-            findings.append(Finding("error", "yaml_boolean", f"`{key}: {written.get(key, value)}` "
-                                    f"is read as the boolean {str(value).lower()} (YAML 1.1), but {key} takes a "
-                                    f"string: quote it, e.g. {key}: \"no\"", path, lines.get(key, 1)))
+            findings.append(
+                Finding(
+                    "error",
+                    "yaml_boolean",
+                    f"`{key}: {written.get(key, value)}` "
+                    f"is read as the boolean {str(value).lower()} (YAML 1.1), but {key} takes a "
+                    f'string: quote it, e.g. {key}: "no"',
+                    path,
+                    lines.get(key, 1),
+                )
+            )
         elif not _accepts(fields[key], value):
             choices = _choices(fields[key])
-            findings.append(Finding("error", "wrong_type", f"`{key}: {value!r}` does not fit {key}'s type "
-                                    f"({getattr(fields[key], '__name__', fields[key])})" +
-                                    (f": one of {', '.join(choices)}" if choices else "") +
-                                    ("; transformers' eager attention is `disabled` in LLaMA-Factory"
-                                     if key == "flash_attn" and value == "eager" else ""), path, lines.get(key, 1)))
+            findings.append(
+                Finding(
+                    "error",
+                    "wrong_type",
+                    f"`{key}: {value!r}` does not fit {key}'s type "
+                    f"({getattr(fields[key], '__name__', fields[key])})"
+                    + (f": one of {', '.join(choices)}" if choices else "")
+                    + (
+                        "; transformers' eager attention is `disabled` in LLaMA-Factory"
+                        if key == "flash_attn" and value == "eager"
+                        else ""
+                    ),
+                    path,
+                    lines.get(key, 1),
+                )
+            )
     if any(f.severity == "error" for f in findings):
         return findings  # the parser would stop at the first of these
     from llamafactory.hparams.parser import get_train_args
@@ -170,6 +191,13 @@ def llamafactory_findings(recipe: Recipe, lines: dict[str, int]) -> list[Finding
         except (ValueError, TypeError, ImportError, RuntimeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
             key = next((k for k in recipe.data if re.search(rf"\b{re.escape(k)}\b", message)), None)
-            findings.append(Finding("error", "llamafactory_check", f"LLaMA-Factory rejects it: {message}", path,
-                                    lines.get(key, 1) if key else 1))
+            findings.append(
+                Finding(
+                    "error",
+                    "llamafactory_check",
+                    f"LLaMA-Factory rejects it: {message}",
+                    path,
+                    lines.get(key, 1) if key else 1,
+                )
+            )
     return findings

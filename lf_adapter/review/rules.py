@@ -1,4 +1,5 @@
 """lfa's review rules: a registry of small named checks over one RuleContext (`lfa review` runs them in order)."""
+
 from __future__ import annotations
 
 import difflib
@@ -13,13 +14,13 @@ from ..hardware import HardwareProfile
 from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
-from ..strategy import CONSTRAINTS, Offload, violations
 from ..recipe.read import Recipe, nvme_swap_folders
-from ..tasks import TaskSpec, chat_template_files, task_files, load_task
+from ..run.guard import forbidden_output_dir, foreign_entries, read_marker
+from ..strategy import CONSTRAINTS, Offload, violations
+from ..tasks import TaskSpec, chat_template_files, load_task, task_files
 from .findings import Finding, raw_scalars
-from .lf_checks import installed_version, version_matches, llamafactory_templates, version_keys
+from .lf_checks import installed_version, llamafactory_templates, version_keys, version_matches
 from .summary import count_dataset_rows
-from ..run.guard import foreign_entries, forbidden_output_dir, read_marker
 
 PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
 EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")
@@ -40,16 +41,17 @@ def _resolve(workdir: Path, recipe: Recipe, value: str) -> tuple[Path, str]:
     resolved = workdir / path
     beside = recipe.folder / path
     if not resolved.exists() and beside.exists() and beside.resolve() != resolved.resolve():
-        return resolved, (f" (it exists relative to the recipe, {beside}, but LLaMA-Factory resolves relative paths "
-                          f"against the directory it runs in, {workdir}: run it there or pass --workdir)")
+        return resolved, (
+            f" (it exists relative to the recipe, {beside}, but LLaMA-Factory resolves relative paths "
+            f"against the directory it runs in, {workdir}: run it there or pass --workdir)"
+        )
     return resolved, ""
 
 
 @dataclass
-
-
 class RuleContext:
     """What every lfa review rule reads; rules report through add()."""
+
     recipe: Recipe
     hardware: HardwareProfile
     plan: Plan
@@ -76,13 +78,12 @@ class RuleContext:
         return load_task(name) if name in task_files() else None
 
     def add(self, severity: str, rule_id: str, message: str, key: str | None = None) -> None:
-        self.findings.append(Finding(severity, rule_id, message, str(self.recipe.path),
-                                     self.lines.get(key, 1) if key else 1))
+        self.findings.append(
+            Finding(severity, rule_id, message, str(self.recipe.path), self.lines.get(key, 1) if key else 1)
+        )
 
 
 @dataclass(frozen=True)
-
-
 class Rule:
     name: str
     ids: tuple[str, ...]  # the finding rule ids it can report
@@ -94,61 +95,73 @@ RULES: list[Rule] = []
 
 def rule(*ids: str):
     """Register a review check under the rule ids it reports (`lfa review` runs them in this order)."""
+
     def register(check: Callable[[RuleContext], None]):
         RULES.append(Rule(check.__name__, ids, check))
         return check
+
     return register
 
 
 @rule(*(c.rule for c in CONSTRAINTS))
-
-
 def strategy_constraints(c: RuleContext) -> None:
     for constraint in violations(c.plan):  # strategy.CONSTRAINTS: combinations that fail at the first step
         c.add("error", constraint.rule, f"{constraint.why}; {constraint.fix}", constraint.key)
 
 
 @rule("bf16_unsupported", "fp16_on_bf16_card")
-
-
 def precision_for_the_card(c: RuleContext) -> None:
     gpu = c.gpu
     if c.plan.precision == "bf16" and gpu is not None and not gpu.bf16:
-        c.add("error", "bf16_unsupported", f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
-              "transformers' check passes through emulation, so this runs slowly or fails mid-run. Use fp16", "bf16")
+        c.add(
+            "error",
+            "bf16_unsupported",
+            f"bf16 on {gpu.name} (sm{gpu.compute_capability}): no native bf16; "
+            "transformers' check passes through emulation, so this runs slowly or fails mid-run. Use fp16",
+            "bf16",
+        )
     if c.plan.precision == "fp16" and gpu is not None and gpu.bf16:
         c.add("info", "fp16_on_bf16_card", f"fp16 on {gpu.name}, which has bf16 (no loss scaling, no overflow)", "fp16")
 
 
 @rule("ray_without_use_ray")
-
-
 def ray_needs_use_ray(c: RuleContext) -> None:
     launch = c.launch
     if c.plan.launcher == "ray" and launch is not None and not re.search(r"^export USE_RAY=\"?1\"?", launch, re.M):
-        c.add("error", "ray_without_use_ray", "the recipe has Ray keys but launch.sh does not export USE_RAY=1: "
-              "LLaMA-Factory would ignore them and train in one process", "ray_num_workers")
+        c.add(
+            "error",
+            "ray_without_use_ray",
+            "the recipe has Ray keys but launch.sh does not export USE_RAY=1: "
+            "LLaMA-Factory would ignore them and train in one process",
+            "ray_num_workers",
+        )
 
 
 @rule("deepspeed_without_torchrun", "deepspeed_launch")
-
-
 def deepspeed_needs_torchrun(c: RuleContext) -> None:
     if not c.d.get("deepspeed") or c.plan.launcher == "ray":  # Ray workers get their rank from LLaMA-Factory
         return
     launch = c.launch
     if launch is not None and not re.search(r"^export FORCE_TORCHRUN=\"?1\"?", launch, re.M):
-        c.add("error", "deepspeed_without_torchrun", "DeepSpeed is set but launch.sh does not export "
-              "FORCE_TORCHRUN=1: LLaMA-Factory stops with \"Please use `FORCE_TORCHRUN=1` to launch DeepSpeed "
-              "training.\"", "deepspeed")
+        c.add(
+            "error",
+            "deepspeed_without_torchrun",
+            "DeepSpeed is set but launch.sh does not export "
+            'FORCE_TORCHRUN=1: LLaMA-Factory stops with "Please use `FORCE_TORCHRUN=1` to launch DeepSpeed '
+            'training."',
+            "deepspeed",
+        )
     elif launch is None:
-        c.add("warning", "deepspeed_launch", "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
-              "plain llamafactory-cli export it yourself)", "deepspeed")
+        c.add(
+            "warning",
+            "deepspeed_launch",
+            "DeepSpeed needs FORCE_TORCHRUN=1 at launch (lfa train sets it; with "
+            "plain llamafactory-cli export it yourself)",
+            "deepspeed",
+        )
 
 
 @rule("deepspeed_config", "zero3_min_lr", "offload_without_optimizer", "nvme_path_missing", "nvme_path_no_room")
-
-
 def deepspeed_config(c: RuleContext) -> None:
     d = c.d
     if not d.get("deepspeed") or c.plan.launcher == "ray":
@@ -157,20 +170,31 @@ def deepspeed_config(c: RuleContext) -> None:
     try:
         ds = json.loads(ds_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        c.add("error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}",
-              "deepspeed")
+        c.add(
+            "error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}", "deepspeed"
+        )
         return
     zero = ds.get("zero_optimization", {})
     kwargs = d.get("lr_scheduler_kwargs")
     if int(zero.get("stage", 0)) == 3 and isinstance(kwargs, dict) and "min_lr" in kwargs:
-        c.add("error", "zero3_min_lr", "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
-              "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
-              "step, seen on the H200); write min_lr_rate = min_lr / learning_rate", "lr_scheduler_kwargs")
+        c.add(
+            "error",
+            "zero3_min_lr",
+            "lr_scheduler_kwargs.min_lr with ZeRO-3: transformers reads "
+            "optimizer.defaults, which DeepSpeed's ZeRO-3 optimizer lacks (AttributeError at the first "
+            "step, seen on the H200); write min_lr_rate = min_lr / learning_rate",
+            "lr_scheduler_kwargs",
+        )
     if c.plan.offload != Offload.NONE and "optimizer" not in ds and ds.get("zero_force_ds_cpu_optimizer", True):
-        c.add("error", "offload_without_optimizer", f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
-              "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
-              "optimizer\"); add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", ...}} "
-              "section (lfa's templates do)", "deepspeed")
+        c.add(
+            "error",
+            "offload_without_optimizer",
+            f"{d['deepspeed']} offloads to the CPU but names no optimizer: "
+            "DeepSpeed refuses the Trainer's AdamW (\"You are using ZeRO-Offload with a client provided "
+            'optimizer"); add an "optimizer": {"type": "AdamW", "params": {"lr": "auto", ...}} '
+            "section (lfa's templates do)",
+            "deepspeed",
+        )
     _nvme_paths(c, ds)
 
 
@@ -180,17 +204,27 @@ def _nvme_paths(c: RuleContext, ds: dict) -> None:
     for folder in nvme_swap_folders(ds):
         path = Path(folder) if Path(folder).is_absolute() else c.workdir / folder
         if not path.is_dir():  # this may not be the training machine: its disk cannot be judged from here
-            c.add("warning", "nvme_path_missing", f"nvme_path {folder} is not a folder here; it must exist on the "
-                  f"training machine with {need or 0:.0f} GiB free (lfa train checks before it starts)", "deepspeed")
+            c.add(
+                "warning",
+                "nvme_path_missing",
+                f"nvme_path {folder} is not a folder here; it must exist on the "
+                f"training machine with {need or 0:.0f} GiB free (lfa train checks before it starts)",
+                "deepspeed",
+            )
             continue
         try:
             free = shutil.disk_usage(path).free / 2**30
         except OSError:
             continue
         if need is not None and need > disk_limit_gib(free):
-            c.add("error", "nvme_path_no_room", f"nvme_path {folder}: NVMe offload swaps {need:.0f} GiB (fp32 master "
-                  f"weights, Adam moments, gradients) but {path} has {free:.0f} GiB free (usable "
-                  f"{disk_limit_gib(free):.0f}); point nvme_path at a larger local disk", "deepspeed")
+            c.add(
+                "error",
+                "nvme_path_no_room",
+                f"nvme_path {folder}: NVMe offload swaps {need:.0f} GiB (fp32 master "
+                f"weights, Adam moments, gradients) but {path} has {free:.0f} GiB free (usable "
+                f"{disk_limit_gib(free):.0f}); point nvme_path at a larger local disk",
+                "deepspeed",
+            )
 
 
 @rule("output_dir_forbidden", "output_dir_not_empty")
@@ -201,63 +235,83 @@ def output_dir_safety(c: RuleContext) -> None:
     path, _ = _resolve(c.workdir, c.recipe, str(c.d["output_dir"]))
     where = forbidden_output_dir(path, c.recipe.folder)
     if where:
-        c.add("error", "output_dir_forbidden", f"output_dir {c.d['output_dir']} resolves to {path.resolve()}, "
-              f"{where}: LLaMA-Factory would overwrite files there (lfa train refuses it)", "output_dir")
+        c.add(
+            "error",
+            "output_dir_forbidden",
+            f"output_dir {c.d['output_dir']} resolves to {path.resolve()}, "
+            f"{where}: LLaMA-Factory would overwrite files there (lfa train refuses it)",
+            "output_dir",
+        )
     elif read_marker(path) is None and foreign_entries(path):
-        c.add("warning", "output_dir_not_empty", f"output_dir {path} already holds files lfa did not write "
-              f"({', '.join(foreign_entries(path)[:3])}): lfa train refuses it unless it is this run's", "output_dir")
+        c.add(
+            "warning",
+            "output_dir_not_empty",
+            f"output_dir {path} already holds files lfa did not write "
+            f"({', '.join(foreign_entries(path)[:3])}): lfa train refuses it unless it is this run's",
+            "output_dir",
+        )
 
 
 @rule("optimizer_changed")
 def optimizer_changed(c: RuleContext) -> None:
     if c.plan.changes_optimizer:
         key = "use_badam" if c.plan.optimizer == "badam" else "optim"
-        c.add("warning", "optimizer_changed", f"the optimizer is {c.plan.optimizer}, not the paper's AdamW: this "
-              "changes what is trained (8-bit moments or one layer at a time), a hyper-parameter change to report "
-              "beside the results", key)
+        c.add(
+            "warning",
+            "optimizer_changed",
+            f"the optimizer is {c.plan.optimizer}, not the paper's AdamW: this "
+            "changes what is trained (8-bit moments or one layer at a time), a hyper-parameter change to report "
+            "beside the results",
+            key,
+        )
 
 
 @rule("effective_batch_changed")
-
-
 def effective_batch_of_the_task(c: RuleContext) -> None:
     task, plan = c.task, c.plan
     if task is not None and plan.effective_batch_size != task.effective_batch_size:
-        c.add("warning", "effective_batch_changed", f"effective batch {plan.effective_batch_size} = "
-              f"{plan.micro_batch_size} x {plan.grad_accum} x {plan.world_size} GPU(s), but task {task.name} trains "
-              f"with {task.effective_batch_size} (the paper's batch); learning rate and schedule assume it",
-              "per_device_train_batch_size")
+        c.add(
+            "warning",
+            "effective_batch_changed",
+            f"effective batch {plan.effective_batch_size} = "
+            f"{plan.micro_batch_size} x {plan.grad_accum} x {plan.world_size} GPU(s), but task {task.name} trains "
+            f"with {task.effective_batch_size} (the paper's batch); learning rate and schedule assume it",
+            "per_device_train_batch_size",
+        )
 
 
 @rule("exponent_float")
-
-
 def exponent_floats(c: RuleContext) -> None:
     for key, raw in raw_scalars(c.recipe.text).items():
         if EXPONENT_WITHOUT_DOT.match(raw):
-            c.add("warning", "exponent_float", f"`{key}: {raw}` is a float to LLaMA-Factory 0.9.5 (OmegaConf) but a "
-                  f"string to plain PyYAML (yaml.safe_load, HfArgumentParser.parse_yaml_file): write it with a dot, "
-                  f"e.g. {float(raw):.1e}".replace("e-0", "e-").replace("e+0", "e+"), key)
+            c.add(
+                "warning",
+                "exponent_float",
+                f"`{key}: {raw}` is a float to LLaMA-Factory 0.9.5 (OmegaConf) but a "
+                f"string to plain PyYAML (yaml.safe_load, HfArgumentParser.parse_yaml_file): write it with a dot, "
+                f"e.g. {float(raw):.1e}".replace("e-0", "e-").replace("e+0", "e+"),
+                key,
+            )
 
 
 @rule("path_with_spaces")
-
-
 def paths_without_spaces(c: RuleContext) -> None:
     d = c.d
     distributed = bool(d.get("deepspeed")) or c.hardware.world_size > 1
-    spaced = [k for k in PATH_KEYS if " " in str(d.get(k) or "")] + \
-        (["(recipe path)"] if " " in str(c.recipe.path.resolve()) else [])
+    spaced = [k for k in PATH_KEYS if " " in str(d.get(k) or "")] + (
+        ["(recipe path)"] if " " in str(c.recipe.path.resolve()) else []
+    )
     for key in spaced:
-        c.add("error" if distributed else "warning", "path_with_spaces",
-              f"{key} contains a space: LLaMA-Factory's torchrun relaunch splits it" +
-              ("" if distributed else " (matters once the recipe runs on several GPUs or DeepSpeed)"),
-              key if key in d else None)
+        c.add(
+            "error" if distributed else "warning",
+            "path_with_spaces",
+            f"{key} contains a space: LLaMA-Factory's torchrun relaunch splits it"
+            + ("" if distributed else " (matters once the recipe runs on several GPUs or DeepSpeed)"),
+            key if key in d else None,
+        )
 
 
 @rule("version_dependent_key")
-
-
 def version_dependent_keys(c: RuleContext) -> None:
     for entry in version_keys():
         if entry["key"] not in c.d:
@@ -265,35 +319,47 @@ def version_dependent_keys(c: RuleContext) -> None:
         installed = installed_version(entry["package"])
         # the installed version decides: it rejects the key (error), accepts it (info: a note for other
         # installs), or is absent here (warning: the key works only on some versions)
-        severity = "warning" if installed is None else \
-            "info" if version_matches(installed, entry["accepted"]) else "error"
-        c.add(severity, "version_dependent_key",
-              f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
-              + (f" (installed: {installed})" if installed else "") + f"; elsewhere: {entry['instead']}",
-              entry["key"])
+        severity = (
+            "warning" if installed is None else "info" if version_matches(installed, entry["accepted"]) else "error"
+        )
+        c.add(
+            severity,
+            "version_dependent_key",
+            f"`{entry['key']}` exists only in {entry['package']} {entry['accepted']}"
+            + (f" (installed: {installed})" if installed else "")
+            + f"; elsewhere: {entry['instead']}",
+            entry["key"],
+        )
 
 
 @rule("plugin_template")
-
-
 def plugin_template_launch(c: RuleContext) -> None:
     template, launch = c.d.get("template"), c.launch
     if template in chat_template_files() and (launch is None or "plugin" not in launch):
-        c.add("warning", "plugin_template", f"template {template} is not in stock LLaMA-Factory: launch with "
-              "`lfa train` or an lfa launch.sh, which register it in every process", "template")
+        c.add(
+            "warning",
+            "plugin_template",
+            f"template {template} is not in stock LLaMA-Factory: launch with "
+            "`lfa train` or an lfa launch.sh, which register it in every process",
+            "template",
+        )
 
 
 @rule("dataset_info_missing", "dataset_info_invalid", "dataset_undefined", "dataset_file_missing")
-
-
 def datasets_defined(c: RuleContext) -> None:
     d = c.d
-    info_file, beside = _resolve(c.workdir, c.recipe, str(Path(str(d.get("dataset_dir", "data"))) / "dataset_info.json"))
+    info_file, beside = _resolve(
+        c.workdir, c.recipe, str(Path(str(d.get("dataset_dir", "data"))) / "dataset_info.json")
+    )
     dataset_dir = info_file.parent
     for name in [s.strip() for s in str(d.get("dataset") or "").split(",") if s.strip()]:
         if not info_file.is_file():
-            c.add("error", "dataset_info_missing", f"{info_file} does not exist (LLaMA-Factory: \"Cannot open "
-                  f"{info_file}\"){beside}", "dataset_dir")
+            c.add(
+                "error",
+                "dataset_info_missing",
+                f'{info_file} does not exist (LLaMA-Factory: "Cannot open {info_file}"){beside}',
+                "dataset_dir",
+            )
             return
         try:
             info = json.loads(info_file.read_text())
@@ -302,85 +368,110 @@ def datasets_defined(c: RuleContext) -> None:
             return
         if name not in info:
             close = difflib.get_close_matches(name, list(info), n=1)
-            c.add("error", "dataset_undefined", f"dataset {name} is not in {info_file.name}"
-                  + (f"; did you mean {close[0]}?" if close else ""), "dataset")
+            c.add(
+                "error",
+                "dataset_undefined",
+                f"dataset {name} is not in {info_file.name}" + (f"; did you mean {close[0]}?" if close else ""),
+                "dataset",
+            )
         elif "file_name" in info[name] and not (dataset_dir / info[name]["file_name"]).exists():
-            c.add("warning", "dataset_file_missing", f"{info[name]['file_name']} (dataset {name}) is not here; it "
-                  "must exist on the training machine", "dataset")
+            c.add(
+                "warning",
+                "dataset_file_missing",
+                f"{info[name]['file_name']} (dataset {name}) is not here; it must exist on the training machine",
+                "dataset",
+            )
 
 
 @rule("model_missing", "model_from_stage")
-
-
 def model_exists(c: RuleContext) -> None:
     model = str(c.d.get("model_name_or_path", ""))
     local, beside = _resolve(c.workdir, c.recipe, model)
     stage_input = c.task.model_from_task if c.task is not None else None
     if model and not HUB_ID.match(model) and not local.exists():
         if stage_input:
-            c.add("warning", "model_from_stage", f"model {model} is {stage_input}'s output: train that stage first",
-                  "model_name_or_path")
+            c.add(
+                "warning",
+                "model_from_stage",
+                f"model {model} is {stage_input}'s output: train that stage first",
+                "model_name_or_path",
+            )
         else:
-            c.add("error", "model_missing", f"model {model} is neither a local folder (from {c.workdir}) nor a "
-                  f"hub id{beside}", "model_name_or_path")
+            c.add(
+                "error",
+                "model_missing",
+                f"model {model} is neither a local folder (from {c.workdir}) nor a hub id{beside}",
+                "model_name_or_path",
+            )
 
 
 @rule("unknown_template")
-
-
 def template_known(c: RuleContext) -> None:
     template, known = c.d.get("template"), llamafactory_templates()
     if template and known is not None and template not in known:
         close = difflib.get_close_matches(str(template), sorted(known), n=1)
-        c.add("error", "unknown_template", f"template {template} is neither in LLaMA-Factory nor in lfa's "
-              "catalog/chat" + (f"; did you mean {close[0]}?" if close else ""), "template")
+        c.add(
+            "error",
+            "unknown_template",
+            f"template {template} is neither in LLaMA-Factory nor in lfa's "
+            "catalog/chat" + (f"; did you mean {close[0]}?" if close else ""),
+            "template",
+        )
 
 
 @rule("memory_over_budget", "memory_headroom")
-
-
 def gpu_memory(c: RuleContext) -> None:
     gpu, plan = c.gpu, c.plan
     if c.spec is None or gpu is None:
         return
     mem = estimate(c.spec, plan, int(c.d.get("cutoff_len", 2048)), gpu.vram_gib)
     if mem.reserved_gib > gpu.vram_gib:
-        c.add("error", "memory_over_budget", f"predicted peak {mem.reserved_gib:.1f} GiB per GPU does not fit "
-              f"{gpu.vram_gib:.1f} GiB on {c.hardware.name} ({plan.label()}): CUDA out of memory expected",
-              "per_device_train_batch_size")
+        c.add(
+            "error",
+            "memory_over_budget",
+            f"predicted peak {mem.reserved_gib:.1f} GiB per GPU does not fit "
+            f"{gpu.vram_gib:.1f} GiB on {c.hardware.name} ({plan.label()}): CUDA out of memory expected",
+            "per_device_train_batch_size",
+        )
     elif not mem.fits:
-        c.add("warning", "memory_headroom", f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
-              f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
-              "per_device_train_batch_size")
+        c.add(
+            "warning",
+            "memory_headroom",
+            f"predicted peak {mem.reserved_gib:.1f} GiB leaves "
+            f"{mem.headroom_left:.0%} of {gpu.vram_gib:.1f} GiB free; lfa plans for {mem.headroom:.0%}",
+            "per_device_train_batch_size",
+        )
 
 
 @rule("host_memory_over")
-
-
 def host_ram(c: RuleContext) -> None:
     if c.spec is None:
         return
     host = host_memory(c.spec, c.plan, c.hardware)
     if host.ram_gib and not host.fits:
-        c.add("error" if host.total_gib > host.ram_gib else "warning", "host_memory_over",
-              f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: " +
-              ", ".join(f"{k} {v:.1f}" for k, v in host.items.items()) +
-              f") against {host.ram_gib:.0f} GiB on {c.hardware.name} ({host.limit_gib:.1f} usable): the kernel's "
-              "OOM killer ends the trainer (SIGKILL, no Python error)", "deepspeed" if c.plan.offload != Offload.NONE else None)
+        c.add(
+            "error" if host.total_gib > host.ram_gib else "warning",
+            "host_memory_over",
+            f"predicted host RAM {host.total_gib:.1f} GiB per node ({host.phase}: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in host.items.items())
+            + f") against {host.ram_gib:.0f} GiB on {c.hardware.name} ({host.limit_gib:.1f} usable): the kernel's "
+            "OOM killer ends the trainer (SIGKILL, no Python error)",
+            "deepspeed" if c.plan.offload != Offload.NONE else None,
+        )
 
 
 @rule("max_samples")
-
-
 def max_samples_set(c: RuleContext) -> None:
     if c.d.get("max_samples"):
-        c.add("warning", "max_samples", f"max_samples: {c.d['max_samples']} trains on the first "
-              f"{c.d['max_samples']} rows of the dataset only", "max_samples")
+        c.add(
+            "warning",
+            "max_samples",
+            f"max_samples: {c.d['max_samples']} trains on the first {c.d['max_samples']} rows of the dataset only",
+            "max_samples",
+        )
 
 
 @rule("fewer_rows_than_batch", "few_steps_per_epoch")
-
-
 def steps_per_epoch(c: RuleContext) -> None:
     rows, plan = count_dataset_rows(c.recipe, c.workdir), c.plan
     if rows is None:
@@ -388,17 +479,32 @@ def steps_per_epoch(c: RuleContext) -> None:
     rows = min(rows, int(c.d["max_samples"])) if c.d.get("max_samples") else rows
     steps = -(-rows // plan.effective_batch_size)  # the trainer steps on a last, partial batch too
     if rows < plan.effective_batch_size:
-        c.add("warning", "fewer_rows_than_batch", f"{rows} rows is less than one effective batch of "
-              f"{plan.effective_batch_size}: each epoch is one optimizer step of {rows} rows, not "
-              f"{plan.effective_batch_size}", "per_device_train_batch_size")
+        c.add(
+            "warning",
+            "fewer_rows_than_batch",
+            f"{rows} rows is less than one effective batch of "
+            f"{plan.effective_batch_size}: each epoch is one optimizer step of {rows} rows, not "
+            f"{plan.effective_batch_size}",
+            "per_device_train_batch_size",
+        )
     elif steps < 10:
-        c.add("warning", "few_steps_per_epoch", f"{rows} rows / effective batch {plan.effective_batch_size} = "
-              f"{steps} optimizer steps per epoch: warmup and the schedule have little room",
-              "per_device_train_batch_size")
+        c.add(
+            "warning",
+            "few_steps_per_epoch",
+            f"{rows} rows / effective batch {plan.effective_batch_size} = "
+            f"{steps} optimizer steps per epoch: warmup and the schedule have little room",
+            "per_device_train_batch_size",
+        )
 
 
-def lfa_findings(recipe: Recipe, hardware: HardwareProfile, plan: Plan, lines: dict[str, int],
-                  spec: ModelSpec | None, workdir: Path | None = None) -> list[Finding]:
+def lfa_findings(
+    recipe: Recipe,
+    hardware: HardwareProfile,
+    plan: Plan,
+    lines: dict[str, int],
+    spec: ModelSpec | None,
+    workdir: Path | None = None,
+) -> list[Finding]:
     context = RuleContext(recipe, hardware, plan, lines, spec, workdir or recipe.folder)
     for registered in RULES:
         registered.check(context)

@@ -1,4 +1,5 @@
 """What a recipe will do on its hardware: plan, memory against the budget, host RAM, speed and wall time."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -10,16 +11,15 @@ from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..planner import predict
-from ..throughput import speed_basis
 from ..recipe.read import Recipe, dataset_entries
 from ..strategy import Offload
+from ..throughput import speed_basis
 
 
 @dataclass
-
-
 class ReviewSummary:
     """What a recipe will do on its hardware; None where lfa cannot know (no model shape, no GPU, no dataset)."""
+
     hardware: str
     plan: str
     precision: str
@@ -48,17 +48,27 @@ class ReviewSummary:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def summarize(recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None,
-              workdir: Path | None = None) -> ReviewSummary:
+def summarize(
+    recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None, workdir: Path | None = None
+) -> ReviewSummary:
     d = recipe.data
     cutoff = int(d.get("cutoff_len", 2048))
     fraction, tokens_basis = _mean_seq_fraction(recipe, workdir or recipe.folder, cutoff, plan)
     summary = ReviewSummary(
-        hardware=hardware.name, plan=plan.label(), precision=plan.precision, micro_batch=plan.micro_batch_size,
-        grad_accum=plan.grad_accum, gpus=plan.world_size, effective_batch=plan.effective_batch_size,
+        hardware=hardware.name,
+        plan=plan.label(),
+        precision=plan.precision,
+        micro_batch=plan.micro_batch_size,
+        grad_accum=plan.grad_accum,
+        gpus=plan.world_size,
+        effective_batch=plan.effective_batch_size,
         deepspeed=f"{plan.deepspeed}" + ("" if plan.offload == Offload.NONE else f" offload {plan.offload}")
-        if plan.deepspeed else "none", gradient_checkpointing=plan.gradient_checkpointing,
-        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction), tokens_basis=tokens_basis)
+        if plan.deepspeed
+        else "none",
+        gradient_checkpointing=plan.gradient_checkpointing,
+        tokens_per_step=round(plan.effective_batch_size * cutoff * fraction),
+        tokens_basis=tokens_basis,
+    )
     if spec is None:
         summary.note = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
         return summary
@@ -95,12 +105,14 @@ def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -
     entries = dataset_entries(recipe, workdir)
     try:
         path, columns = entries[0]
-        profile = profile_dataset(str(path), columns or {"prompt": "instruction", "query": "input",
-                                                         "response": "output"}, cutoff)
+        profile = profile_dataset(
+            str(path), columns or {"prompt": "instruction", "query": "input", "response": "output"}, cutoff
+        )
     except (IndexError, UserError):
         return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
-    return profile.mean_seq_fraction, (f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} "
-                                       f"({profile.counted_with})")
+    return profile.mean_seq_fraction, (
+        f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} ({profile.counted_with})"
+    )
 
 
 def count_dataset_rows(recipe: Recipe, workdir: Path) -> int | None:

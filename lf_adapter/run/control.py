@@ -1,6 +1,7 @@
 """`lfa status`, `lfa logs`, `lfa stop`: read a run directory (ledger.json, attempt logs, events.jsonl) and act on
 the processes it records. The supervisor runs in its own session and the trainer in its own process group, so a
 stop reaches torchrun's workers too and nothing is left holding a GPU."""
+
 from __future__ import annotations
 
 import json
@@ -11,17 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import UserError
-from .process import alive, group_alive
-from .ledger import FINAL_STATES as FINAL, RunLedger, read_ledger, write_ledger
+from .ledger import FINAL_STATES as FINAL
+from .ledger import RunLedger, read_ledger, write_ledger
 from .monitor import FileFollower, fold_event
+from .process import alive, group_alive
+
 
 def resolve_run_dir(run: str) -> Path:
     """A run directory, or a run name under ./runs."""
     for candidate in (Path(run), Path("runs") / run):
         if (candidate / "ledger.json").is_file() or (candidate / "supervisor.pid").is_file():
             return candidate
-    where = f"{run} holds no ledger.json" if Path(run).is_absolute() else \
-        f"neither {run} nor runs/{run} holds a ledger.json"
+    where = (
+        f"{run} holds no ledger.json"
+        if Path(run).is_absolute()
+        else f"neither {run} nor runs/{run} holds a ledger.json"
+    )
     raise UserError(f"no run '{run}': {where} (see `lfa status`)")
 
 
@@ -53,7 +59,7 @@ def _last_events(run_dir: Path) -> dict:
     with path.open("rb") as fh:  # the tail is enough: a long run's events file grows with every step
         start = max(0, path.stat().st_size - 65536)
         fh.seek(start)
-        lines = fh.read().decode("utf-8", errors="replace").splitlines()[1 if start else 0:]
+        lines = fh.read().decode("utf-8", errors="replace").splitlines()[1 if start else 0 :]
     state: dict = {}
     for line in lines:
         try:
@@ -62,9 +68,14 @@ def _last_events(run_dir: Path) -> dict:
             continue
     step, total = state.get("step"), state.get("total")
     eta = (total - step) * state["step_time_s"] if step is not None and total and state.get("step_time_s") else None
-    return {"step": step, "total_steps": total, "loss": state.get("loss"), "eta_s": eta,
-            "gpu_reserved_gib": state.get("gpu_reserved_gib"),
-            "tokens_per_s": round(state["tokens_per_s"]) if state.get("tokens_per_s") else None}
+    return {
+        "step": step,
+        "total_steps": total,
+        "loss": state.get("loss"),
+        "eta_s": eta,
+        "gpu_reserved_gib": state.get("gpu_reserved_gib"),
+        "tokens_per_s": round(state["tokens_per_s"]) if state.get("tokens_per_s") else None,
+    }
 
 
 def run_state(ledger: RunLedger) -> str:
@@ -76,10 +87,16 @@ def run_status(run_dir: Path) -> RunStatus:
     ledger = read_ledger(run_dir)
     last = ledger.last
     state = run_state(ledger)
-    status = RunStatus(name=ledger.name or run_dir.resolve().name, dir=str(run_dir), state=state, attempts=len(ledger.attempts),
-                       supervisor_pid=ledger.supervisor_pid, trainer_pid=last.trainer_pid if last else None,
-                       failure=((last.failure or {}).get("kind") if last else None),
-                       started=ledger.attempts[0].started if ledger.attempts else None)
+    status = RunStatus(
+        name=ledger.name or run_dir.resolve().name,
+        dir=str(run_dir),
+        state=state,
+        attempts=len(ledger.attempts),
+        supervisor_pid=ledger.supervisor_pid,
+        trainer_pid=last.trainer_pid if last else None,
+        failure=((last.failure or {}).get("kind") if last else None),
+        started=ledger.attempts[0].started if ledger.attempts else None,
+    )
     for key, value in _last_events(run_dir).items():
         setattr(status, key, value)
     if state != "running":
@@ -127,6 +144,7 @@ def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
 def follow_logs(run_dir: Path, follow: bool, lines: int, out, poll_s: float = 0.3) -> None:
     """Print the newest attempt's log (its last `lines` lines), then with follow keep printing, switching to the
     next attempt's log when the supervisor retries, until the run has ended."""
+
     def newest_log() -> Path | None:
         logs = sorted(run_dir.glob("attempt-*.log"), key=lambda p: int(p.stem.split("-")[1]))
         return logs[-1] if logs else None

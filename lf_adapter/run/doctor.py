@@ -1,5 +1,6 @@
 """`lfa doctor`: the supervisor's diagnosis for a run lfa did not supervise (a nohup'd `llamafactory-cli` log):
 classify the log, show the evidence and the remedy, and with the recipe write the recipe the next attempt would run."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
-from ..recipe.keys import launch_env
-from .monitor import Failure, LineReader, classify, failure_classes
+from ..recipe.keys import launch_env, plan_keys
 from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
-from .remedies import Attempt, Remedy, next_remedy
-from ..recipe.keys import plan_keys
 from ..review.core import recipe_workdir
-from .supervisor import resolved_text, key_changes, recovery_context, trained_model_spec, write_deepspeed_config
+from .monitor import Failure, LineReader, classify, failure_classes
+from .remedies import Attempt, Remedy, next_remedy
+from .supervisor import key_changes, recovery_context, resolved_text, trained_model_spec, write_deepspeed_config
 
 
 @dataclass
@@ -44,8 +44,14 @@ def read_log(path: Path) -> list[str]:
     return list(reader.tail)
 
 
-def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = None,
-             out: Path | None = None, allow_hparam_change: bool = False, workdir: Path | None = None) -> Diagnosis:
+def diagnose(
+    log: Path,
+    recipe_path: Path | None = None,
+    hardware: str | None = None,
+    out: Path | None = None,
+    allow_hparam_change: bool = False,
+    workdir: Path | None = None,
+) -> Diagnosis:
     """workdir: where llamafactory-cli ran, what its relative paths resolve against (lfa review's rule: --workdir,
     else the recipe's folder for lfa's recipes, else the current directory)."""
     failure = classify(read_log(log), None)
@@ -58,8 +64,9 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
     hw = recipe_hardware(recipe, hardware)
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
     # the log came from another machine: liger is there if the recipe used it
-    context = recovery_context(recipe, hw, trained_model_spec(recipe), bool(recipe.data.get("enable_liger_kernel")),
-                               allow_hparam_change)
+    context = recovery_context(
+        recipe, hw, trained_model_spec(recipe), bool(recipe.data.get("enable_liger_kernel")), allow_hparam_change
+    )
     attempt = Attempt(plan_from_recipe(recipe, hw, recipe_workdir(recipe, workdir)))
     remedy = next_remedy(attempt, failure, context, set())
     diagnosis = Diagnosis(failure, remedy, advice)
@@ -77,10 +84,23 @@ def diagnose(log: Path, recipe_path: Path | None = None, hardware: str | None = 
     notes = [note] + [f"export {k}={v}" for k, v in diagnosis.env.items()]
     # the plan fields that are no LLaMA-Factory keys (sorted steps, allocator) travel in lfa's header, so that
     # `lfa train` runs the same plan
-    meta = {**recipe.meta, "plan": nxt.plan.label(), "sorted_steps": nxt.plan.sorted_steps,
-            "alloc_conf": nxt.plan.alloc_conf, "hardware": hw.to_dict()}
-    text = resolved_text(Recipe(recipe.path, recipe.data, meta, "\n".join(
-        line for line in recipe.text.splitlines() if not line.startswith("# lfa-meta: "))), changes, notes)
+    meta = {
+        **recipe.meta,
+        "plan": nxt.plan.label(),
+        "sorted_steps": nxt.plan.sorted_steps,
+        "alloc_conf": nxt.plan.alloc_conf,
+        "hardware": hw.to_dict(),
+    }
+    text = resolved_text(
+        Recipe(
+            recipe.path,
+            recipe.data,
+            meta,
+            "\n".join(line for line in recipe.text.splitlines() if not line.startswith("# lfa-meta: ")),
+        ),
+        changes,
+        notes,
+    )
     text = text.replace("# lfa train resolved this recipe", "# lfa doctor wrote the next attempt of this recipe", 1)
     lines = text.splitlines()
     split = next(i for i, line in enumerate(lines) if not line.startswith("#"))
@@ -94,6 +114,9 @@ def _generic_ladder(failure: Failure) -> str:
     cls = next(c for c in failure_classes() if c.name == failure.kind)
     if not cls.ladder:
         return ""
-    return ("remedies lfa tries, in order: " + ", ".join(step.rstrip("*") for step in cls.ladder) +
-            "; pass --recipe to get the next attempt's recipe" +
-            (" (for an OOM, planned by the memory model)" if failure.kind == "cuda_oom" else ""))
+    return (
+        "remedies lfa tries, in order: "
+        + ", ".join(step.rstrip("*") for step in cls.ladder)
+        + "; pass --recipe to get the next attempt's recipe"
+        + (" (for an OOM, planned by the memory model)" if failure.kind == "cuda_oom" else "")
+    )

@@ -2,6 +2,7 @@
 new, empty, or carries the marker lfa wrote at its first use; the root, the home folder, a repository root and the
 folders above the recipe are never an output_dir. Pure checks, used by `lfa train` (before anything is written) and
 `lfa review`."""
+
 from __future__ import annotations
 
 import json
@@ -44,33 +45,43 @@ def foreign_entries(output_dir: Path) -> list[str]:
     """What output_dir holds besides lfa's own lock and marker (sorted names; empty when it does not exist)."""
     if not output_dir.is_dir():
         return []
-    return sorted(p.name for p in output_dir.iterdir() if p.name not in (MARKER, *LFA_FILES)
-                  and not p.name.startswith(".lfa-train"))
+    return sorted(
+        p.name
+        for p in output_dir.iterdir()
+        if p.name not in (MARKER, *LFA_FILES) and not p.name.startswith(".lfa-train")
+    )
 
 
-def output_dir_problem(output_dir: Path, recipe_folder: Path, run_dir: Path, run_has_history: bool,
-                       shared: bool = False) -> str | None:
+def output_dir_problem(
+    output_dir: Path, recipe_folder: Path, run_dir: Path, run_has_history: bool, shared: bool = False
+) -> str | None:
     """One message when `lfa train` must not use output_dir, else None. run_has_history: this run folder's ledger
     already recorded attempts (a run from before markers existed adopts its own output_dir). shared: a node of a
     multi-node run, whose nodes share output_dir under their own run folders."""
     where = forbidden_output_dir(output_dir, recipe_folder)
     if where:
-        return (f"output_dir {output_dir} is {where}: LLaMA-Factory would write checkpoints and overwrite files there; "
-                "point output_dir at a new folder (e.g. saves/<task>)")
+        return (
+            f"output_dir {output_dir} is {where}: LLaMA-Factory would write checkpoints and overwrite files there; "
+            "point output_dir at a new folder (e.g. saves/<task>)"
+        )
     if output_dir.exists() and not output_dir.is_dir():
         return f"output_dir {output_dir} is a file, not a folder"
     marker = read_marker(output_dir)
     if marker is not None:
         owner = marker.get("run_dir")
         if owner and not shared and Path(owner).resolve() != run_dir.resolve():
-            return (f"output_dir {output_dir} belongs to run {owner}: resume that run (lfa train RECIPE --run-dir "
-                    f"{owner}) or give this one its own output_dir")
+            return (
+                f"output_dir {output_dir} belongs to run {owner}: resume that run (lfa train RECIPE --run-dir "
+                f"{owner}) or give this one its own output_dir"
+            )
         return None
     entries = foreign_entries(output_dir)
     if entries and not run_has_history:
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        return (f"output_dir {output_dir} already holds files lfa did not write ({shown}); LLaMA-Factory would "
-                "overwrite them. Point output_dir at a new or empty folder")
+        return (
+            f"output_dir {output_dir} already holds files lfa did not write ({shown}); LLaMA-Factory would "
+            "overwrite them. Point output_dir at a new or empty folder"
+        )
     return None
 
 
@@ -78,5 +89,6 @@ def claim_output_dir(output_dir: Path, run_dir: Path, recipe: Path) -> None:
     """Create output_dir if needed and mark it as this run's (once)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     if read_marker(output_dir) is None:
-        (output_dir / MARKER).write_text(json.dumps({"run_dir": str(run_dir.resolve()),
-                                                      "recipe": str(recipe.resolve())}) + "\n")
+        (output_dir / MARKER).write_text(
+            json.dumps({"run_dir": str(run_dir.resolve()), "recipe": str(recipe.resolve())}) + "\n"
+        )

@@ -1,5 +1,6 @@
 """The run ledger (`runs/<name>/ledger.json`) as typed records: one reader, one atomic writer. The supervisor
 writes it, `lfa status/stop/report` and `lfa train`'s next run read it."""
+
 from __future__ import annotations
 
 import json

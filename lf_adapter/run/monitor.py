@@ -1,4 +1,5 @@
 """Stage 8: read a running attempt (log bytes, trainer_log.jsonl, lfa events) and classify how it failed."""
+
 from __future__ import annotations
 
 import json
@@ -54,9 +55,17 @@ def failure_classes() -> tuple[FailureClass, ...]:
     data = yaml.safe_load((catalog_dir() / "failures" / "classes.yaml").read_text())
     keys = ("name", "retriable", "patterns", "ladder", "advice", "stop_at_first_line")
     raise_problems([p for d in data for p in unknown_keys(d, keys, f"{d.get('name', '?')}.")], "failures/classes.yaml")
-    return tuple(FailureClass(d["name"], bool(d["retriable"]), tuple(re.compile(p, re.M) for p in d["patterns"]),
-                              tuple(d["ladder"]), d.get("advice", ""), bool(d.get("stop_at_first_line", False)))
-                 for d in data)
+    return tuple(
+        FailureClass(
+            d["name"],
+            bool(d["retriable"]),
+            tuple(re.compile(p, re.M) for p in d["patterns"]),
+            tuple(d["ladder"]),
+            d.get("advice", ""),
+            bool(d.get("stop_at_first_line", False)),
+        )
+        for d in data
+    )
 
 
 def failure_class(name: str) -> FailureClass:
@@ -88,8 +97,12 @@ def classify(lines: list[str], returncode: int | None) -> Failure | None:
                 details = parse_cuda_oom(text) if cls.name == "cuda_oom" else {}
                 return Failure(cls.name, cls.retriable, evidence, details)
     if returncode in (-9, 137):
-        return Failure("host_oom_kill", True, [f"trainer killed by SIGKILL (exit {returncode}), no error text: "
-                                               "the kernel's OOM killer or a scheduler"], {})
+        return Failure(
+            "host_oom_kill",
+            True,
+            [f"trainer killed by SIGKILL (exit {returncode}), no error text: the kernel's OOM killer or a scheduler"],
+            {},
+        )
     if returncode not in (0, None):
         tail = [line for line in lines if line.strip()][-5:]
         return Failure("unknown", False, tail, {"returncode": returncode})
@@ -99,7 +112,7 @@ def classify(lines: list[str], returncode: int | None) -> Failure | None:
 def cgroup_oom_kills() -> int | None:
     """The OOM killer's count for this process's cgroup (v2 memory.events oom_kill); None when not readable."""
     try:
-        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+        line = next(entry for entry in Path("/proc/self/cgroup").read_text().splitlines() if entry.startswith("0::"))
         events = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "memory.events"
         for row in events.read_text().splitlines():
             if row.startswith("oom_kill "):
@@ -112,8 +125,9 @@ def cgroup_oom_kills() -> int | None:
 HOST_OOM_RSS_SHARE = 0.85  # a trainer this close to the RAM it may use was plausibly killed for memory
 
 
-def host_oom_evidence(oom_kills_before: int | None, oom_kills_after: int | None, peak_rss_gib: float | None,
-                      ram_gib: float | None) -> str | None:
+def host_oom_evidence(
+    oom_kills_before: int | None, oom_kills_after: int | None, peak_rss_gib: float | None, ram_gib: float | None
+) -> str | None:
     """Why a SIGKILL was the host's OOM killer, or None when nothing says so."""
     if oom_kills_before is not None and oom_kills_after is not None and oom_kills_after > oom_kills_before:
         return f"the cgroup's oom_kill count rose from {oom_kills_before} to {oom_kills_after}"
@@ -122,7 +136,7 @@ def host_oom_evidence(oom_kills_before: int | None, oom_kills_after: int | None,
     return None
 
 
-def unexplained_kill(failure: "Failure", why_not: str) -> "Failure":
+def unexplained_kill(failure: Failure, why_not: str) -> Failure:
     """A SIGKILL classified host_oom_kill by its text, re-labelled when nothing shows a host OOM."""
     return Failure("killed", True, [*failure.evidence, why_not], failure.details)
 
@@ -179,8 +193,9 @@ def fold_event(state: dict, event: dict) -> None:
             state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate
         if event.get("step_time_s"):
             previous = state.get("step_time_s")
-            state["step_time_s"] = event["step_time_s"] if previous is None else \
-                0.7 * previous + 0.3 * event["step_time_s"]
+            state["step_time_s"] = (
+                event["step_time_s"] if previous is None else 0.7 * previous + 0.3 * event["step_time_s"]
+            )
     if event.get("event") == "log" and "loss" in event:
         state["loss"] = event["loss"]
     if "gpu_reserved_gib" in event:
@@ -234,8 +249,10 @@ class TrainerLogWatcher:
             return None
         losses = list(self.losses)
         if vocab_size and all(abs(x - math.log(vocab_size)) < 0.02 * math.log(vocab_size) for x in losses):
-            return (f"the loss has sat at ln(vocab) = {math.log(vocab_size):.2f} (a uniform guess) for "
-                    f"{DIVERGENCE_LOGS} logs: the model is not learning (learning rate too high?)")
+            return (
+                f"the loss has sat at ln(vocab) = {math.log(vocab_size):.2f} (a uniform guess) for "
+                f"{DIVERGENCE_LOGS} logs: the model is not learning (learning rate too high?)"
+            )
         if all(b > a for a, b in zip(losses, losses[1:])):
             return f"the loss rose at each of the last {DIVERGENCE_LOGS} logs ({losses[0]:.3f} -> {losses[-1]:.3f})"
         return None

@@ -1,4 +1,5 @@
 """Stage 7: the environment and command that start `llamafactory-cli train`, and the subprocess itself."""
+
 from __future__ import annotations
 
 import os
@@ -9,9 +10,9 @@ import time
 from pathlib import Path
 
 from ..plan import Plan
-from ..strategy import Sharding
 from ..plugin import boot_dir
 from ..recipe.keys import ACCELERATE_FSDP2_FILE, LaunchEnv
+from ..strategy import Sharding
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -44,8 +45,9 @@ def ray_node_address() -> str | None:
     return get_node_ip_address()
 
 
-def llamafactory_command(recipe: Path, overrides: list[str], plan: Plan | None = None,
-                         env: dict[str, str] | None = None) -> list[str]:
+def llamafactory_command(
+    recipe: Path, overrides: list[str], plan: Plan | None = None, env: dict[str, str] | None = None
+) -> list[str]:
     """`llamafactory-cli train` (which relaunches itself through torchrun when FORCE_TORCHRUN says so), or for
     FSDP2 `accelerate launch` of LLaMA-Factory's launcher.py with the recipe folder's accelerate config."""
     if plan is not None and plan.sharding == Sharding.FSDP2:
@@ -55,11 +57,25 @@ def llamafactory_command(recipe: Path, overrides: list[str], plan: Plan | None =
         spec = importlib.util.find_spec("llamafactory.launcher")
         launcher = spec.origin if spec and spec.origin else "llamafactory/launcher.py"
         accelerate = Path(sys.executable).with_name("accelerate")
-        return [str(accelerate) if accelerate.exists() else "accelerate", "launch",
-                "--config_file", ACCELERATE_FSDP2_FILE, "--num_processes", str(plan.world_size),
-                "--num_machines", str(plan.nodes), "--machine_rank", env.get("NODE_RANK", "0"),
-                "--main_process_ip", env.get("MASTER_ADDR", "127.0.0.1"),
-                "--main_process_port", env.get("MASTER_PORT", "29500"), launcher, str(recipe.name), *overrides]
+        return [
+            str(accelerate) if accelerate.exists() else "accelerate",
+            "launch",
+            "--config_file",
+            ACCELERATE_FSDP2_FILE,
+            "--num_processes",
+            str(plan.world_size),
+            "--num_machines",
+            str(plan.nodes),
+            "--machine_rank",
+            env.get("NODE_RANK", "0"),
+            "--main_process_ip",
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            "--main_process_port",
+            env.get("MASTER_PORT", "29500"),
+            launcher,
+            str(recipe.name),
+            *overrides,
+        ]
     cli = Path(sys.executable).with_name("llamafactory-cli")
     program = [str(cli)] if cli.exists() else ["llamafactory-cli"]
     return program + ["train", str(recipe.name)] + list(overrides)
@@ -67,8 +83,15 @@ def llamafactory_command(recipe: Path, overrides: list[str], plan: Plan | None =
 
 def start(command: list[str], cwd: Path, env: dict[str, str], log_file) -> subprocess.Popen:
     """Start the trainer in its own process group (so stop/kill reaches torchrun's children too)."""
-    return subprocess.Popen(command, cwd=str(cwd), env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=str(cwd),
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 120.0) -> int:
@@ -81,6 +104,7 @@ def stop_process_group(pgid: int, grace_s: float = 120.0, leader: subprocess.Pop
     """SIGINT the whole group (lfa's plugin makes the trainer save a checkpoint at the end of the step and exit),
     then SIGTERM, then SIGKILL; each stage waits for every process of the group, not only its leader (torchrun's
     workers may outlive the llamafactory-cli that started them)."""
+
     def running() -> bool:
         return (leader is not None and leader.poll() is None) or group_alive(pgid)
 

@@ -1,5 +1,6 @@
 """What `lfa train` tells people while it runs: a live progress line on a terminal, plain lines otherwise, JSON
 events for machines (--json)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ class Reporter:
         also moves with every optimizer step and GPU memory reading."""
         if self.json_events or not self.live:
             if record is not None:
-                self.event("progress", _progress_text(n, state), attempt=n, **record,
-                           **{k: v for k, v in state.items() if k not in record})
+                self.event(
+                    "progress",
+                    _progress_text(n, state),
+                    attempt=n,
+                    **record,
+                    **{k: v for k, v in state.items() if k not in record},
+                )
             return
         from rich.live import Live
         from rich.text import Text

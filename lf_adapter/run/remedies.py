@@ -1,5 +1,6 @@
 """Stage 9: a failure + the current plan -> the next plan to try, in a documented order that keeps the
 training semantics (effective batch exact; the learning rate only moves with --allow-hparam-change)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +11,11 @@ from dataclasses import dataclass, field
 from ..hardware import HardwareProfile
 from ..memory import estimate, fit_activation_scale
 from ..model_spec import ModelSpec
-from .monitor import Failure, failure_class, failure_classes
 from ..plan import Plan
-from ..strategy import Offload, Sharding, violated
 from ..planner import EXPANDABLE_SEGMENTS as EXPANDABLE
 from ..planner import NoPlanFits, PlanOptions, plan
+from ..strategy import Offload, Sharding, violated
+from .monitor import Failure, failure_class, failure_classes
 
 FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, not real shortage
 
@@ -22,6 +23,7 @@ FRAGMENTATION_GIB = 1.0  # reserved-but-unallocated above this: fragmentation, n
 @dataclass(frozen=True)
 class Attempt:
     """What one attempt runs: the plan, plus LF keys and env that are not plan fields."""
+
     plan: Plan
     keys: dict = field(default_factory=dict)  # extra LLaMA-Factory overrides (learning_rate, workers...)
     env: dict = field(default_factory=dict)
@@ -55,7 +57,8 @@ def _fragmentation(a, f, c):
     if a.plan.alloc_conf or wasted < FRAGMENTATION_GIB:
         return None
     return a.plan.replace(alloc_conf=EXPANDABLE), (
-        f"{wasted:.2f} GiB reserved but unallocated: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
+        f"{wasted:.2f} GiB reserved but unallocated: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}"
+    )
 
 
 def _halve_micro_batch(a, f, c):
@@ -64,7 +67,8 @@ def _halve_micro_batch(a, f, c):
         return None
     return p.replace(micro_batch_size=p.micro_batch_size // 2, grad_accum=p.grad_accum * 2), (
         f"micro-batch {p.micro_batch_size} -> {p.micro_batch_size // 2}, accumulation {p.grad_accum} -> "
-        f"{p.grad_accum * 2}: effective batch stays {p.effective_batch_size}")
+        f"{p.grad_accum * 2}: effective batch stays {p.effective_batch_size}"
+    )
 
 
 def _switch(field_name, value, why):
@@ -72,26 +76,32 @@ def _switch(field_name, value, why):
         if getattr(a.plan, field_name) == value:
             return None
         return a.plan.replace(**{field_name: value}), why
+
     return action
 
 
 def _gpu_only(action):
     def wrapped(a, f, c):
         return None if not c.hardware.has_gpu else action(a, f, c)
+
     return wrapped
 
 
 def _triton_gpu_only(action):
     """An action that turns liger on: only where Triton runs (sm80+, GPUSpec.runs_triton)."""
+
     def wrapped(a, f, c):
         return None if not c.hardware.has_gpu or not c.hardware.gpu.runs_triton else action(a, f, c)
+
     return wrapped
 
 
 def _not_zero3(action):
     """An action that turns liger on: not under ZeRO-3 (strategy.CONSTRAINTS: liger_with_zero3)."""
+
     def wrapped(a, f, c):
         return None if violated(a.plan.replace(liger=True), "liger_with_zero3") else action(a, f, c)
+
     return wrapped
 
 
@@ -102,15 +112,21 @@ def _deepspeed(stage, offload):
     def action(a, f, c):
         p = a.plan
         current = (p.deepspeed, p.offload)
-        if not c.hardware.has_gpu or current not in DEEPSPEED_ORDER or \
-                DEEPSPEED_ORDER.index((stage, offload)) <= DEEPSPEED_ORDER.index(current):
+        if (
+            not c.hardware.has_gpu
+            or current not in DEEPSPEED_ORDER
+            or DEEPSPEED_ORDER.index((stage, offload)) <= DEEPSPEED_ORDER.index(current)
+        ):
             return None
         moved = p.replace(sharding=stage or "none", offload=offload)
         liger = p.liger and not violated(moved, "liger_with_zero3")
         return moved.replace(liger=liger), (
-            f"DeepSpeed {stage}" + ("" if offload == Offload.NONE else f" with {offload} offload to CPU") +
-            ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)" +
-            ("; liger off: its fused cross-entropy reads the sharded lm_head weight" if p.liger and not liger else ""))
+            f"DeepSpeed {stage}"
+            + ("" if offload == Offload.NONE else f" with {offload} offload to CPU")
+            + ": partitions/moves model states off the GPU (launched with FORCE_TORCHRUN=1)"
+            + ("; liger off: its fused cross-entropy reads the sharded lm_head weight" if p.liger and not liger else "")
+        )
+
     return action
 
 
@@ -136,10 +152,12 @@ def _drop_deepspeed(a, f, c):
 PLAN_ACTIONS = {
     "fragmentation": _gpu_only(_fragmentation),  # PYTORCH_CUDA_ALLOC_CONF does nothing on a CPU
     "halve_micro_batch": _halve_micro_batch,
-    "gradient_checkpointing": _switch("gradient_checkpointing", True,
-                                      "gradient checkpointing on: keep only layer inputs, recompute the rest"),
-    "liger": _triton_gpu_only(_not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never "
-                                                                "materializes fp32 logits"))),
+    "gradient_checkpointing": _switch(
+        "gradient_checkpointing", True, "gradient checkpointing on: keep only layer inputs, recompute the rest"
+    ),
+    "liger": _triton_gpu_only(
+        _not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes fp32 logits"))
+    ),
     "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
     "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
     "eager_attention": _switch("attention", "eager", "eager attention: rules out a fused-kernel numerics problem"),
@@ -159,6 +177,7 @@ def _set_env(name: str, value_of, why_of, applies=lambda a, c: True):
         if not value or not applies(a, c) or a.env.get(name) == value:
             return None
         return dataclasses.replace(a, env={**a.env, name: value}), why_of(c)
+
     return action
 
 
@@ -167,7 +186,8 @@ def _lfa_deepspeed_config(a: Attempt, f, c: Context):
         return None
     return dataclasses.replace(a, own_deepspeed_config=True), (
         "the DeepSpeed config offloads without naming an optimizer: use lfa's config for the same plan "
-        "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)")
+        "(it adds an AdamW optimizer section, so DeepSpeed runs its CPU Adam)"
+    )
 
 
 def _min_lr_rate(a: Attempt, f, c: Context):
@@ -179,12 +199,15 @@ def _min_lr_rate(a: Attempt, f, c: Context):
     kwargs["min_lr_rate"] = round(min_lr / lr, 10)
     return dataclasses.replace(a, keys={**a.keys, "lr_scheduler_kwargs": kwargs}), (
         f"min_lr {min_lr:.1e} as min_lr_rate {kwargs['min_lr_rate']} (the same schedule): an absolute min_lr makes "
-        "transformers read optimizer.defaults, which DeepSpeed ZeRO-3's optimizer lacks")
+        "transformers read optimizer.defaults, which DeepSpeed ZeRO-3's optimizer lacks"
+    )
 
 
 def _resume_as_is(a: Attempt, f, c: Context):
-    cause = {"nccl_timeout": "a transient collective timeout",
-             "killed": "a kill from outside (no sign of a host OOM)"}.get(getattr(f, "kind", ""), "a transient failure")
+    cause = {
+        "nccl_timeout": "a transient collective timeout",
+        "killed": "a kill from outside (no sign of a host OOM)",
+    }.get(getattr(f, "kind", ""), "a transient failure")
     return a, f"{cause}: resume from the last checkpoint unchanged"
 
 
@@ -199,7 +222,8 @@ def _fewer_workers(a: Attempt, f, c: Context):
     if workers is not None and int(workers) == 0:
         return None  # nothing to take away: never an identical retry
     return dataclasses.replace(a, keys={**a.keys, "preprocessing_num_workers": 1, "dataloader_num_workers": 0}), (
-        "killed by SIGKILL: fewer host processes (data workers) to lower host memory")
+        "killed by SIGKILL: fewer host processes (data workers) to lower host memory"
+    )
 
 
 def _lower_lr(a: Attempt, f, c: Context):
@@ -207,14 +231,17 @@ def _lower_lr(a: Attempt, f, c: Context):
         return None
     lr = a.keys.get("learning_rate", c.learning_rate) / 2
     return dataclasses.replace(a, keys={**a.keys, "learning_rate": lr}), (
-        f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)")
+        f"NaN persists: learning rate halved to {lr:.1e} (--allow-hparam-change)"
+    )
 
 
 def _changes_plan(plan_action):
     """A plan action ((a, f, c) -> (plan, why)) as an attempt action."""
+
     def action(a: Attempt, f, c: Context):
         result = plan_action(a, f, c)
         return None if result is None else (dataclasses.replace(a, plan=result[0]), result[1])
+
     return action
 
 
@@ -222,11 +249,15 @@ def _changes_plan(plan_action):
 ACTIONS = {
     **{name: _changes_plan(fn) for name, fn in PLAN_ACTIONS.items()},
     "force_torchrun": _set_env("FORCE_TORCHRUN", lambda c: "1", lambda c: "FORCE_TORCHRUN=1: launch through torchrun"),
-    "hub_mirror": _set_env("HF_ENDPOINT", lambda c: c.hub_mirror,
-                           lambda c: f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"),
-    "hub_offline": _set_env("HF_HUB_OFFLINE", lambda c: "1",
-                            lambda c: "hub unreachable but files cached: HF_HUB_OFFLINE=1",
-                            applies=lambda a, c: c.model_cached),
+    "hub_mirror": _set_env(
+        "HF_ENDPOINT", lambda c: c.hub_mirror, lambda c: f"hub unreachable: HF_ENDPOINT={c.hub_mirror}"
+    ),
+    "hub_offline": _set_env(
+        "HF_HUB_OFFLINE",
+        lambda c: "1",
+        lambda c: "hub unreachable but files cached: HF_HUB_OFFLINE=1",
+        applies=lambda a, c: c.model_cached,
+    ),
     "lfa_deepspeed_config": _lfa_deepspeed_config,
     "min_lr_rate": _min_lr_rate,
     "resume_as_is": _resume_as_is,
@@ -261,43 +292,61 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
     budget = oom_budget_gib(failure, context.hardware)
     needed = d.get("allocated_gib", 0.0) + d.get("asked_gib", 0.0)
     scale = fit_activation_scale(context.model, failing, context.seq_len, needed) if needed else 1.0
-    evidence = (f"the OOM line shows {d.get('allocated_gib', 0):.2f} GiB allocated + {d.get('asked_gib', 0):.2f} "
-                f"GiB asked of {budget:.2f} GiB" if needed else "the OOM line has no allocation figures")
+    evidence = (
+        f"the OOM line shows {d.get('allocated_gib', 0):.2f} GiB allocated + {d.get('asked_gib', 0):.2f} "
+        f"GiB asked of {budget:.2f} GiB"
+        if needed
+        else "the OOM line has no allocation figures"
+    )
     if scale > 1.0:
         evidence += f"; activations rescaled x{scale:.2f} so the failing plan is predicted at that"
     failing_now = estimate(context.model, failing, context.seq_len, budget, activation_scale=scale)
     wasted = d.get("reserved_unallocated_gib", 0.0)
     if not failing.alloc_conf and wasted >= max(FRAGMENTATION_GIB, d.get("asked_gib", 0.0)):
-        expandable = estimate(context.model, failing.replace(alloc_conf=EXPANDABLE), context.seq_len, budget,
-                              activation_scale=scale)
+        expandable = estimate(
+            context.model, failing.replace(alloc_conf=EXPANDABLE), context.seq_len, budget, activation_scale=scale
+        )
         if expandable.fits:
-            return Remedy("fragmentation", dataclasses.replace(attempt, plan=failing.replace(alloc_conf=EXPANDABLE)),
-                          f"{wasted:.2f} GiB reserved but unallocated covers the {d.get('asked_gib', 0):.2f} GiB asked "
-                          f"and the memory model puts this plan at {expandable.reserved_gib:.1f} of "
-                          f"{expandable.limit_gib:.1f} GiB: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
+            return Remedy(
+                "fragmentation",
+                dataclasses.replace(attempt, plan=failing.replace(alloc_conf=EXPANDABLE)),
+                f"{wasted:.2f} GiB reserved but unallocated covers the {d.get('asked_gib', 0):.2f} GiB asked "
+                f"and the memory model puts this plan at {expandable.reserved_gib:.1f} of "
+                f"{expandable.limit_gib:.1f} GiB: fragmentation; PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}",
+            )
     precision = failing.precision
     gpu = context.hardware.gpu
     if precision == "bf16" and not gpu.bf16:  # a recipe written for a bf16 card, re-planned for this one
         precision = "fp16"
         evidence += f"; {gpu.name} has no native bf16 (sm{gpu.compute_capability}): the next plan runs fp16"
     fixed = {"precision": precision, "packing": failing.packing, "launcher": failing.launcher}
-    options = PlanOptions(allow_packing=failing.packing, launcher=failing.launcher,
-                          liger_available=context.liger_available or failing.liger,
-                          mean_seq_fraction=context.mean_seq_fraction, fixed=fixed, activation_scale=scale,
-                          vram_gib=budget,
-                          # a plan the model thinks fits did not: only plans that need less than it may follow
-                          below_reserved_gib=failing_now.reserved_gib if failing_now.fits else None)
+    options = PlanOptions(
+        allow_packing=failing.packing,
+        launcher=failing.launcher,
+        liger_available=context.liger_available or failing.liger,
+        mean_seq_fraction=context.mean_seq_fraction,
+        fixed=fixed,
+        activation_scale=scale,
+        vram_gib=budget,
+        # a plan the model thinks fits did not: only plans that need less than it may follow
+        below_reserved_gib=failing_now.reserved_gib if failing_now.fits else None,
+    )
     try:
         result = plan(context.model, context.hardware, failing.effective_batch_size, context.seq_len, options)
     except NoPlanFits as exc:
         return Remedy("no_plan_fits", None, f"{evidence}. {exc}")
     chosen = result.chosen
     new_plan = chosen.plan.replace(reasons={})
-    return Remedy("replan", dataclasses.replace(attempt, plan=new_plan), (
-        f"{evidence}; the memory model puts {failing.label()} at {failing_now.reserved_gib:.1f} GiB and "
-        f"{new_plan.label()} at {chosen.memory.reserved_gib:.1f} of {chosen.memory.limit_gib:.1f} GiB "
-        f"(host {chosen.host.total_gib:.0f} of {chosen.host.limit_gib or 0:.0f} GiB RAM), the fastest that fits; "
-        f"effective batch stays {new_plan.effective_batch_size}"))
+    return Remedy(
+        "replan",
+        dataclasses.replace(attempt, plan=new_plan),
+        (
+            f"{evidence}; the memory model puts {failing.label()} at {failing_now.reserved_gib:.1f} GiB and "
+            f"{new_plan.label()} at {chosen.memory.reserved_gib:.1f} of {chosen.memory.limit_gib:.1f} GiB "
+            f"(host {chosen.host.total_gib:.0f} of {chosen.host.limit_gib or 0:.0f} GiB RAM), the fastest that fits; "
+            f"effective batch stays {new_plan.effective_batch_size}"
+        ),
+    )
 
 
 def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remedy | None:
@@ -323,8 +372,10 @@ def ladder_problems() -> list[str]:
         for step in failure_kind.ladder:
             if step.rstrip("*") not in known:
                 near = difflib.get_close_matches(step.rstrip("*"), known, n=1)
-                problems.append(f"class {failure_kind.name}: ladder step {step!r} is no action"
-                                + (f" (did you mean {near[0]!r}?)" if near else ""))
+                problems.append(
+                    f"class {failure_kind.name}: ladder step {step!r} is no action"
+                    + (f" (did you mean {near[0]!r}?)" if near else "")
+                )
     return problems
 
 

@@ -1,6 +1,7 @@
 """Stage 11: `lfa report` and the summary that ends `lfa train`: what a run left (ledger.json, the plugin's
 events.jsonl, the recipe) read into typed series, drawn with matplotlib into PNGs and one self-contained HTML page.
 Works on finished, stopped, crashed and still-running runs: it draws whatever steps exist."""
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,16 @@ from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
 
 FIGURES = ("loss", "throughput", "memory", "gpu", "lr")
 # per-step numbers of the plugin's step events, read into AttemptSeries lists of the same names
-STEP_FIELDS = ("gpu_reserved_gib", "gpu_allocated_gib", "gpu_util_pct", "gpu_util_min", "gpu_util_max",
-               "gpu_sm_clock_mhz", "gpu_power_w", "host_rss_gib")
+STEP_FIELDS = (
+    "gpu_reserved_gib",
+    "gpu_allocated_gib",
+    "gpu_util_pct",
+    "gpu_util_min",
+    "gpu_util_max",
+    "gpu_sm_clock_mhz",
+    "gpu_power_w",
+    "host_rss_gib",
+)
 WARMUP_STEPS = 3  # an attempt's first steps include compilation and allocator growth: not steady speed
 FAILURE_LABELS = {"cuda_oom": "OOM", "nan_loss": "NaN", "loss_diverged": "diverged"}
 
@@ -26,6 +35,7 @@ FAILURE_LABELS = {"cuda_oom": "OOM", "nan_loss": "NaN", "loss_diverged": "diverg
 @dataclass
 class AttemptSeries:
     """What one attempt measured, per optimizer step (steps) and per logging step (log_steps)."""
+
     n: int
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -55,8 +65,14 @@ class AttemptSeries:
 
     def steady_gpu_util(self) -> float | None:
         """Mean GPU utilization over the steps after warm-up, each step's mean weighted by its duration."""
-        pairs = [(u, t) for u, t in zip(self.gpu_util_pct[WARMUP_STEPS:] or self.gpu_util_pct,
-                                        self.step_seconds[WARMUP_STEPS:] or self.step_seconds) if u is not None and t]
+        pairs = [
+            (u, t)
+            for u, t in zip(
+                self.gpu_util_pct[WARMUP_STEPS:] or self.gpu_util_pct,
+                self.step_seconds[WARMUP_STEPS:] or self.step_seconds,
+            )
+            if u is not None and t
+        ]
         return sum(u * t for u, t in pairs) / sum(t for _, t in pairs) if pairs else None
 
 
@@ -151,22 +167,32 @@ def _recipe_diff(ledger: RunLedger) -> tuple[str | None, Path | None, Path | Non
     try:
         recipe = load_recipe(ledger.recipe)
     except UserError as exc:
-        overrides = None if first is None else format_diff(semantic_diff(first.overrides, last.overrides),
-                                                           f"attempt {first.n}", f"attempt {last.n}")
+        overrides = (
+            None
+            if first is None
+            else format_diff(semantic_diff(first.overrides, last.overrides), f"attempt {first.n}", f"attempt {last.n}")
+        )
         return overrides, None, None, [f"recipe not readable ({exc}): the diff shows lfa's overrides only"]
     output_dir = (recipe.folder / str(recipe.data.get("output_dir", "."))).resolve()
     report_to = recipe.data.get("report_to")
     tensorboard = None
     if report_to == "tensorboard" or (isinstance(report_to, list) and "tensorboard" in report_to):
-        tensorboard = (recipe.folder / str(recipe.data.get("logging_dir") or Path(str(recipe.data.get("output_dir", ".")))
-                                           / "runs")).resolve()
+        tensorboard = (
+            recipe.folder
+            / str(recipe.data.get("logging_dir") or Path(str(recipe.data.get("output_dir", "."))) / "runs")
+        ).resolve()
     diff = None
     if first is not None:
-        views = [semantic_view(Recipe(recipe.path, {**recipe.data, **a.overrides}, recipe.meta, recipe.text))
-                 for a in (first, last)]
+        views = [
+            semantic_view(Recipe(recipe.path, {**recipe.data, **a.overrides}, recipe.meta, recipe.text))
+            for a in (first, last)
+        ]
         ignore = {"resume_from_checkpoint"}
-        diff = format_diff(semantic_diff(*({k: v for k, v in view.items() if k not in ignore} for view in views)),
-                           f"attempt {first.n}", f"attempt {last.n}")
+        diff = format_diff(
+            semantic_diff(*({k: v for k, v in view.items() if k not in ignore} for view in views)),
+            f"attempt {first.n}",
+            f"attempt {last.n}",
+        )
     return diff, output_dir, tensorboard, []
 
 
@@ -182,9 +208,14 @@ def collect(run_dir: Path) -> RunReport:
     diff, output_dir, tensorboard, notes = _recipe_diff(ledger)
     bad_steps = sum(1 for e in events if e.get("event") == "step" and not isinstance(e.get("global_step"), int))
     if skipped or bad_steps:
-        notes = [*notes, f"events.jsonl: {skipped} line(s) that are not events and {bad_steps} step event(s) "
-                         "without an integer step were left out of the plots"]
-    return RunReport(ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes)
+        notes = [
+            *notes,
+            f"events.jsonl: {skipped} line(s) that are not events and {bad_steps} step event(s) "
+            "without an integer step were left out of the plots",
+        ]
+    return RunReport(
+        ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes
+    )
 
 
 # ---------------------------------------------------------------- convergence
@@ -196,7 +227,7 @@ PLATEAU_TOLERANCE = 0.05  # share of the smoothed loss's whole fall that still c
 def smoothed(values: list[float], width: int) -> list[float]:
     """Running median over `width` points (logged losses are noisy step to step)."""
     half = width // 2
-    return [statistics.median(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
+    return [statistics.median(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
 
 
 def plateau_step(steps: list[int], losses: list[float]) -> int | None:
@@ -218,8 +249,12 @@ def plateau_step(steps: list[int], losses: list[float]) -> int | None:
 
 
 def loss_points(report: RunReport) -> tuple[list[int], list[float]]:
-    points = sorted((step, v) for series in report.series.values() for step, v in zip(series.log_steps, series.loss)
-                    if v is not None)
+    points = sorted(
+        (step, v)
+        for series in report.series.values()
+        for step, v in zip(series.log_steps, series.loss)
+        if v is not None
+    )
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -248,6 +283,7 @@ def previous_run(report: RunReport) -> RunReport | None:
 
 
 # ---------------------------------------------------------------- numbers for people
+
 
 def failure_label(attempt: AttemptRecord) -> str | None:
     if attempt.status == "stopped":
@@ -291,8 +327,10 @@ def headline(report: RunReport) -> dict:
     host = [v for v in (s.host_rss_gib if s else []) if v is not None]
     return {
         "state": report.state,
-        "attempts": [(a.n, a.status or ("running" if report.state == "running" else "ended"), failure_label(a))
-                     for a in report.attempts],
+        "attempts": [
+            (a.n, a.status or ("running" if report.state == "running" else "ended"), failure_label(a))
+            for a in report.attempts
+        ],
         "wall_time_s": _wall_time(report),
         "steady_tokens_per_s": s.steady_tokens_per_s() if s else None,
         "mfu": mfu(s, predicted),
@@ -335,42 +373,67 @@ def _versus(measured: float | None, predicted: float | None, unit: str, digits: 
 def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
     """The block that ends `lfa train` and `lfa demo`."""
     h = headline(report)
-    outcomes = ", ".join(f"{n}: {status}" + (f" ({label})" if label and status != "stopped" else "")
-                         for n, status, label in h["attempts"]) or "none"
-    lines = ["", f"run {report.name}: {report.state}",
-             f"  attempts     {outcomes}",
-             f"  wall time    {_duration(h['wall_time_s'])}",
-             f"  tokens/s     {_versus(h['steady_tokens_per_s'], h['predicted_tokens_per_s'], 'steady')}"]
+    outcomes = (
+        ", ".join(
+            f"{n}: {status}" + (f" ({label})" if label and status != "stopped" else "")
+            for n, status, label in h["attempts"]
+        )
+        or "none"
+    )
+    lines = [
+        "",
+        f"run {report.name}: {report.state}",
+        f"  attempts     {outcomes}",
+        f"  wall time    {_duration(h['wall_time_s'])}",
+        f"  tokens/s     {_versus(h['steady_tokens_per_s'], h['predicted_tokens_per_s'], 'steady')}",
+    ]
     if h["speed_basis"] and h["predicted_tokens_per_s"]:
         lines.append(f"               (prediction: {h['speed_basis']})")
     if h["gpu_util_mean"] is not None:
-        lines.append(f"  GPU busy     {h['gpu_util_mean']:.0f}% of the time (NVML, {h['gpu_sampling']}, mean after "
-                     f"warm-up)" + (f"; MFU {h['mfu']:.1%}" if h["mfu"] is not None else ""))
+        lines.append(
+            f"  GPU busy     {h['gpu_util_mean']:.0f}% of the time (NVML, {h['gpu_sampling']}, mean after "
+            f"warm-up)" + (f"; MFU {h['mfu']:.1%}" if h["mfu"] is not None else "")
+        )
     if h["peak_gpu_reserved_gib"] is not None:
         limit = f", card {h['gpu_limit_gib']:.1f} GiB" if h["gpu_limit_gib"] else ""
-        lines.append(f"  GPU memory   {_versus(h['peak_gpu_reserved_gib'], h['predicted_reserved_gib'], 'GiB reserved', 2)}"
-                     f"{limit}")
+        lines.append(
+            f"  GPU memory   {_versus(h['peak_gpu_reserved_gib'], h['predicted_reserved_gib'], 'GiB reserved', 2)}"
+            f"{limit}"
+        )
     else:
         lines.append(f"  host memory  {_versus(h['peak_host_rss_gib'], None, 'GiB trainer RSS (no GPU)', 2)}")
     loss = "-" if h["final_loss"] is None else f"{h['final_loss']:.4f} at step {h['final_step']}"
-    lines.append(f"  final loss   {loss}" + (f"; the loss stopped falling around step {h['plateau_step']} (smoothed, "
-                                                 f"within {PLATEAU_TOLERANCE:.0%} of its fall)"
-                                                 if h["plateau_step"] is not None else ""))
+    lines.append(
+        f"  final loss   {loss}"
+        + (
+            f"; the loss stopped falling around step {h['plateau_step']} (smoothed, "
+            f"within {PLATEAU_TOLERANCE:.0%} of its fall)"
+            if h["plateau_step"] is not None
+            else ""
+        )
+    )
     if h["previous_loss"] is not None:
         step, value = h["previous_loss"]
         lines.append(f"  previous run {h['previous_run']} of this recipe: final loss {value:.4f} at step {step}")
     if report.output_dir is not None:
         checkpoints = sorted(Path(report.output_dir).glob("checkpoint-*")) if report.state != "succeeded" else []
-        lines.append(f"  model        {report.output_dir}" +
-                     ("" if report.state == "succeeded" else
-                      f" (checkpoints only, newest {checkpoints[-1].name}: the run did not finish)" if checkpoints else
-                      " (nothing to use: the run did not finish and left no checkpoint)"))
+        lines.append(
+            f"  model        {report.output_dir}"
+            + (
+                ""
+                if report.state == "succeeded"
+                else f" (checkpoints only, newest {checkpoints[-1].name}: the run did not finish)"
+                if checkpoints
+                else " (nothing to use: the run did not finish and left no checkpoint)"
+            )
+        )
     if report_path is not None:
         lines.append(f"  report       {report_path}")
     return lines
 
 
 # ---------------------------------------------------------------- figures
+
 
 def _figure(title: str, rows: int = 1):
     import matplotlib
@@ -390,21 +453,36 @@ def _mark_attempts(ax, report: RunReport) -> None:
         start = resume_step(a) if resume_step(a) is not None else (s.steps[0] - 1 if s and s.steps else None)
         if start is not None and a.n > 1:
             ax.axvline(start, color="grey", linestyle=":", linewidth=1)
-            ax.annotate(f"attempt {a.n}", (start, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
-                        color="grey", ha="left", va="top", rotation=90)
+            ax.annotate(
+                f"attempt {a.n}",
+                (start, 1.0),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                color="grey",
+                ha="left",
+                va="top",
+                rotation=90,
+            )
         if resume_step(a) is not None:
             ax.axvline(resume_step(a), color="tab:green", linewidth=1.2, alpha=0.7)
         label = failure_label(a)
         if label:
             at = a.last_step if a.last_step is not None else (s.steps[-1] if s and s.steps else (start or 0))
             ax.axvline(at, color="tab:red", linewidth=1.2, alpha=0.8)
-            ax.annotate(label, (at, 0.5), xycoords=("data", "axes fraction"), fontsize=8, color="tab:red",
-                        ha="right", va="center", rotation=90)
+            ax.annotate(
+                label,
+                (at, 0.5),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                color="tab:red",
+                ha="right",
+                va="center",
+                rotation=90,
+            )
 
 
 def _no_data(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="dimgrey",
-            wrap=True)
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="dimgrey", wrap=True)
     ax.set_yticks([])
 
 
@@ -413,14 +491,26 @@ def _plot_series(ax, report: RunReport, x: str, y: str, label: str) -> bool:
     for n, s in report.series.items():
         points = [(a, b) for a, b in zip(getattr(s, x), getattr(s, y)) if b is not None]
         if points:
-            ax.plot(*zip(*points), marker="." if len(points) < 40 else None, linewidth=1.2,
-                    label=f"{label}, attempt {n}" if len(report.series) > 1 else label)
+            ax.plot(
+                *zip(*points),
+                marker="." if len(points) < 40 else None,
+                linewidth=1.2,
+                label=f"{label}, attempt {n}" if len(report.series) > 1 else label,
+            )
             drawn = True
     return drawn
 
 
-def _panel(ax, report: RunReport, x: str, series: list[tuple[str, str]], ylabel: str, empty: str,
-           references: list[tuple[float, str, str | None]] = (), xlabel: str | None = None) -> bool:
+def _panel(
+    ax,
+    report: RunReport,
+    x: str,
+    series: list[tuple[str, str]],
+    ylabel: str,
+    empty: str,
+    references: list[tuple[float, str, str | None]] = (),
+    xlabel: str | None = None,
+) -> bool:
     """One plot of per-step series (each attempt its own line), horizontal reference lines (value, label, colour),
     the attempts' markers; or a note when there is nothing to draw yet."""
     drawn = False
@@ -449,51 +539,109 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     step_axis = "optimizer step"
 
     fig, (ax_loss, ax_grad) = _figure("loss and gradient norm per step", rows=2)
-    if _panel(ax_loss, report, "log_steps", [("loss", "loss")], "loss",
-              "no loss logged yet (LLaMA-Factory logs every logging_steps)"):
+    if _panel(
+        ax_loss,
+        report,
+        "log_steps",
+        [("loss", "loss")],
+        "loss",
+        "no loss logged yet (LLaMA-Factory logs every logging_steps)",
+    ):
         steps, values = loss_points(report)
         plateau = plateau_step(steps, values)
         if plateau is not None:
             ax_loss.axvline(plateau, color="tab:orange", linewidth=1.2, alpha=0.8)
-            ax_loss.annotate("stopped falling", (plateau, 0.95), xycoords=("data", "axes fraction"), fontsize=8,
-                             color="tab:orange", ha="left", va="top")
+            ax_loss.annotate(
+                "stopped falling",
+                (plateau, 0.95),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                color="tab:orange",
+                ha="left",
+                va="top",
+            )
         previous = previous_run(report)
         if previous is not None and loss_points(previous)[0]:
-            ax_loss.plot(*loss_points(previous), color="grey", linestyle="--", linewidth=1,
-                         label=f"previous run {previous.name}")
+            ax_loss.plot(
+                *loss_points(previous), color="grey", linestyle="--", linewidth=1, label=f"previous run {previous.name}"
+            )
             ax_loss.legend(fontsize=8, loc="best")
-    _panel(ax_grad, report, "log_steps", [("grad_norm", "grad norm")], "grad norm", "no gradient norm logged yet",
-           xlabel=step_axis)
+    _panel(
+        ax_grad,
+        report,
+        "log_steps",
+        [("grad_norm", "grad norm")],
+        "grad norm",
+        "no gradient norm logged yet",
+        xlabel=step_axis,
+    )
     paths["loss"] = fig
 
     fig, (ax,) = _figure("training speed: non-pad tokens per second")
-    _panel(ax, report, "steps", [("tokens_per_s", "measured")], "tokens/s", "no optimizer step recorded yet",
-           [(a.predicted["tokens_per_s"], f"predicted, attempt {a.n} ({a.plan})", None)
-            for a in report.attempts if a.predicted.get("tokens_per_s")], xlabel=step_axis)
+    _panel(
+        ax,
+        report,
+        "steps",
+        [("tokens_per_s", "measured")],
+        "tokens/s",
+        "no optimizer step recorded yet",
+        [
+            (a.predicted["tokens_per_s"], f"predicted, attempt {a.n} ({a.plan})", None)
+            for a in report.attempts
+            if a.predicted.get("tokens_per_s")
+        ],
+        xlabel=step_axis,
+    )
     paths["throughput"] = fig
 
     fig, (ax_gpu, ax_host) = _figure("memory per step", rows=2)
-    gpu_refs = ([(predicted["reserved_gib"], f"predicted peak {predicted['reserved_gib']:.1f} GiB", "tab:purple")]
-                if predicted.get("reserved_gib") else [])
-    gpu_refs += ([(predicted["budget_gib"], f"card {predicted['budget_gib']:.1f} GiB", "tab:red")]
-                 if predicted.get("budget_gib") else [])
-    _panel(ax_gpu, report, "steps", [("gpu_reserved_gib", "reserved (peak so far)"),
-                                     ("gpu_allocated_gib", "allocated (peak so far)")], "GPU GiB",
-           "no GPU memory recorded: this run trained on the CPU", gpu_refs)
-    _panel(ax_host, report, "steps", [("host_rss_gib", "trainer RSS (rank 0)")], "host GiB", "no host memory recorded",
-           [(predicted["host_gib"], f"predicted per node {predicted['host_gib']:.1f} GiB", "tab:purple")]
-           if predicted.get("host_gib") else [], xlabel=step_axis)
+    gpu_refs = (
+        [(predicted["reserved_gib"], f"predicted peak {predicted['reserved_gib']:.1f} GiB", "tab:purple")]
+        if predicted.get("reserved_gib")
+        else []
+    )
+    gpu_refs += (
+        [(predicted["budget_gib"], f"card {predicted['budget_gib']:.1f} GiB", "tab:red")]
+        if predicted.get("budget_gib")
+        else []
+    )
+    _panel(
+        ax_gpu,
+        report,
+        "steps",
+        [("gpu_reserved_gib", "reserved (peak so far)"), ("gpu_allocated_gib", "allocated (peak so far)")],
+        "GPU GiB",
+        "no GPU memory recorded: this run trained on the CPU",
+        gpu_refs,
+    )
+    _panel(
+        ax_host,
+        report,
+        "steps",
+        [("host_rss_gib", "trainer RSS (rank 0)")],
+        "host GiB",
+        "no host memory recorded",
+        [(predicted["host_gib"], f"predicted per node {predicted['host_gib']:.1f} GiB", "tab:purple")]
+        if predicted.get("host_gib")
+        else [],
+        xlabel=step_axis,
+    )
     paths["memory"] = fig
 
-    fig, (ax_util, ax_clock, ax_power) = _figure("GPU per optimizer step (NVML, rank 0): utilization mean and "
-                                                 "min-max of the step's samples, SM clock, power", rows=3)
+    fig, (ax_util, ax_clock, ax_power) = _figure(
+        "GPU per optimizer step (NVML, rank 0): utilization mean and min-max of the step's samples, SM clock, power",
+        rows=3,
+    )
     no_nvml = "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)"
     _panel(ax_util, report, "steps", [("gpu_util_pct", "utilization %")], "utilization %", no_nvml)
     _panel(ax_clock, report, "steps", [("gpu_sm_clock_mhz", "SM clock MHz")], "SM clock MHz", no_nvml)
     _panel(ax_power, report, "steps", [("gpu_power_w", "power W")], "power W", no_nvml, xlabel=step_axis)
     for s in report.series.values():  # the spread of the samples inside each step
-        band = [(x, lo, hi) for x, lo, hi in zip(s.steps, s.gpu_util_min, s.gpu_util_max)
-                if lo is not None and hi is not None]
+        band = [
+            (x, lo, hi)
+            for x, lo, hi in zip(s.steps, s.gpu_util_min, s.gpu_util_max)
+            if lo is not None and hi is not None
+        ]
         if band:
             ax_util.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2)
     paths["gpu"] = fig
@@ -515,18 +663,26 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
 
 # ---------------------------------------------------------------- the page
 
+
 def attempts_rows(report: RunReport) -> list[dict]:
     rows = []
     for a in report.attempts:
         failure = a.failure or {}
-        rows.append({"attempt": a.n, "plan": a.plan, "status": a.status or report.state,
-                     "failure": failure.get("kind"),
-                     "evidence": evidence_message(failure.get("evidence") or []),
-                     "remedy": f"{a.remedy['action']}: {a.remedy['why']}" if a.remedy else None,
-                     "duration": _duration(a.duration_s or ((a.ended_at - a.started_at)
-                                                            if a.ended_at and a.started_at else None)),
-                     "steps": f"{a.first_step}-{a.last_step}" if a.last_step is not None else "none",
-                     "resumed from": Path(a.resumed_from).name if a.resumed_from else None})
+        rows.append(
+            {
+                "attempt": a.n,
+                "plan": a.plan,
+                "status": a.status or report.state,
+                "failure": failure.get("kind"),
+                "evidence": evidence_message(failure.get("evidence") or []),
+                "remedy": f"{a.remedy['action']}: {a.remedy['why']}" if a.remedy else None,
+                "duration": _duration(
+                    a.duration_s or ((a.ended_at - a.started_at) if a.ended_at and a.started_at else None)
+                ),
+                "steps": f"{a.first_step}-{a.last_step}" if a.last_step is not None else "none",
+                "resumed from": Path(a.resumed_from).name if a.resumed_from else None,
+            }
+        )
     return rows
 
 
@@ -536,13 +692,17 @@ def communication_note(report: RunReport) -> str:
         return "0: one process exchanges no gradients."
     measured = [(n, s.comm) for n, s in report.series.items() if s.comm and s.comm.get("share") is not None]
     if not measured:
-        return (f"{max(worlds)} processes: not measured (the profiler's window, optimizer steps 3-4 unless "
-                "LFA_COMM_PROFILE_STEPS says otherwise, was not reached, or was turned off).")
+        return (
+            f"{max(worlds)} processes: not measured (the profiler's window, optimizer steps 3-4 unless "
+            "LFA_COMM_PROFILE_STEPS says otherwise, was not reached, or was turned off)."
+        )
     n, c = measured[-1]
-    return (f"{c['world_size']} processes: collectives ran {c['share']:.1%} of optimizer steps {c['first_step']}-"
-            f"{c['last_step']} of attempt {n} ({c['comm_s']:.3f} of {c['window_s']:.3f} s; torch profiler on rank 0: "
-            f"{', '.join(c.get('kinds') or [])}). They overlap the backward, so this is the time spent in "
-            "communication, not all of it time the step waited for.")
+    return (
+        f"{c['world_size']} processes: collectives ran {c['share']:.1%} of optimizer steps {c['first_step']}-"
+        f"{c['last_step']} of attempt {n} ({c['comm_s']:.3f} of {c['window_s']:.3f} s; torch profiler on rank 0: "
+        f"{', '.join(c.get('kinds') or [])}). They overlap the backward, so this is the time spent in "
+        "communication, not all of it time the step waited for."
+    )
 
 
 def evidence_message(lines: list[str]) -> str | None:
@@ -554,8 +714,10 @@ def evidence_message(lines: list[str]) -> str | None:
 
 
 # LLaMA-Factory's end-of-run figures that do not say what they are
-FINAL_LABELS = {"train_loss": "train_loss (the mean over the whole run, not the last loss)",
-                "train_runtime": "train_runtime (s, this attempt)"}
+FINAL_LABELS = {
+    "train_loss": "train_loss (the mean over the whole run, not the last loss)",
+    "train_runtime": "train_runtime (s, this attempt)",
+}
 
 
 def render_html(report: RunReport, figures: dict[str, Path]) -> str:
@@ -564,28 +726,53 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
 
     from .. import templates_dir
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir() / "report")),
-                             autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir() / "report")),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
     env.filters["cell"] = lambda value: "-" if value is None or value == "" else str(value)
     finals = {n: s.final for n, s in report.series.items() if s.final}
     final = None
     if finals:
         n, values = max(finals.items())
-        final = {"attempt": n, "rows": [(FINAL_LABELS.get(k, k), round(v, 4) if isinstance(v, float) else v)
-                                        for k, v in values.items()]}
+        final = {
+            "attempt": n,
+            "rows": [(FINAL_LABELS.get(k, k), round(v, 4) if isinstance(v, float) else v) for k, v in values.items()],
+        }
     last = report.attempts[-1] if report.attempts else None
-    memory = ({"attempt": last.n, "plan": last.plan, "rows": list(last.predicted["memory_gib"].items()),
-               "reserved_gib": last.predicted["reserved_gib"]}
-              if last and last.predicted.get("memory_gib") else None)
+    memory = (
+        {
+            "attempt": last.n,
+            "plan": last.plan,
+            "rows": list(last.predicted["memory_gib"].items()),
+            "reserved_gib": last.predicted["reserved_gib"],
+        }
+        if last and last.predicted.get("memory_gib")
+        else None
+    )
     return env.get_template("run.html.j2").render(
-        name=report.name, state=report.state, recipe=report.ledger.recipe, run_dir=str(report.run_dir),
+        name=report.name,
+        state=report.state,
+        recipe=report.ledger.recipe,
+        run_dir=str(report.run_dir),
         output_dir=str(report.output_dir) if report.output_dir else None,
         tensorboard_dir=str(report.tensorboard_dir) if report.tensorboard_dir else None,
-        summary="\n".join(summary_lines(report, None)[1:]), attempts=attempts_rows(report),
-        error=report.ledger.error, notes=report.ledger.notes + report.notes,
-        figures=[{"name": name, "data": base64.b64encode(figures[name].read_bytes()).decode()}
-                 for name in FIGURES if name in figures],
-        communication=communication_note(report), final=final, memory=memory, recipe_diff=report.recipe_diff)
+        summary="\n".join(summary_lines(report, None)[1:]),
+        attempts=attempts_rows(report),
+        error=report.ledger.error,
+        notes=report.ledger.notes + report.notes,
+        figures=[
+            {"name": name, "data": base64.b64encode(figures[name].read_bytes()).decode()}
+            for name in FIGURES
+            if name in figures
+        ],
+        communication=communication_note(report),
+        final=final,
+        memory=memory,
+        recipe_diff=report.recipe_diff,
+    )
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[RunReport, Path]:

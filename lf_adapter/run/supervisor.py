@@ -1,4 +1,5 @@
 """Stage 10: the supervisor behind `lfa train`: attempts, ledger, resume, resolved recipe, detached runs."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -16,28 +17,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
+from ..data import dataset_problems
 from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions, nearest_existing
-from .guard import claim_output_dir, foreign_entries, output_dir_problem
-from .ledger import (LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, release_reserve, reserve_room,
-                     write_ledger)
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
-from .process import (group_alive, llamafactory_command, ray_node_address, resolve_env, start, stop_group,
-                     stop_process_group)
-from .progress import Reporter
-from .monitor import (Failure, FileFollower, LineReader, TrainerLogWatcher, cgroup_oom_kills, classify, failure_class,
-                      failure_classes, fold_event, host_oom_evidence, unexplained_kill)
 from ..plan import Plan
-from ..strategy import Sharding
 from ..planner import predict
-from ..throughput import speed_basis
-from ..data import dataset_problems
-from ..recipe.read import (Recipe, dataset_entries, dataset_files, file_fingerprint, load_recipe, nvme_swap_folders,
-                           parse_value, plan_from_recipe, recipe_hardware, recipe_model_spec)
-from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
-from ..recipe.keys import launch_env, plan_keys
-from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, yaml_scalar as _scalar
 from ..plugin import contract
+from ..recipe.keys import launch_env, plan_keys
+from ..recipe.read import (
+    Recipe,
+    dataset_entries,
+    dataset_files,
+    file_fingerprint,
+    load_recipe,
+    nvme_swap_folders,
+    parse_value,
+    plan_from_recipe,
+    recipe_hardware,
+    recipe_model_spec,
+)
+from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed
+from ..recipe.render import yaml_scalar as _scalar
+from ..strategy import Sharding
+from ..throughput import speed_basis
+from .guard import claim_output_dir, foreign_entries, output_dir_problem
+from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, release_reserve, reserve_room, write_ledger
+from .monitor import (
+    Failure,
+    FileFollower,
+    LineReader,
+    TrainerLogWatcher,
+    cgroup_oom_kills,
+    classify,
+    failure_class,
+    failure_classes,
+    fold_event,
+    host_oom_evidence,
+    unexplained_kill,
+)
+from .process import (
+    group_alive,
+    llamafactory_command,
+    ray_node_address,
+    resolve_env,
+    start,
+    stop_group,
+    stop_process_group,
+)
+from .progress import Reporter
+from .remedies import Attempt, Context, hub_mirror_from_env, ladder_problems, next_remedy
 
 POLL_S = 0.1
 
@@ -73,8 +102,9 @@ def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
     return changes
 
 
-def write_deepspeed_config(folder: Path, plan: Plan, model: ModelSpec | None = None,
-                           hardware: HardwareProfile | None = None) -> str:
+def write_deepspeed_config(
+    folder: Path, plan: Plan, model: ModelSpec | None = None, hardware: HardwareProfile | None = None
+) -> str:
     """Render lfa's DeepSpeed config for a retry; never overwrites a different file of the user's."""
     name, text = render_deepspeed(plan, nvme_setup(plan, model, hardware))
     path = folder / name
@@ -94,8 +124,16 @@ def write_accelerate_config(folder: Path, plan: Plan) -> None:
 def is_complete_checkpoint(path: Path) -> bool:
     """Every file a resume reads is there, and what can be validated cheaply is whole: trainer_state.json and the
     safetensors index parse as JSON, the weight and optimizer files are not empty (a torn write leaves them short)."""
-    weights = [path / name for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                                        "pytorch_model.bin.index.json") if (path / name).is_file()]
+    weights = [
+        path / name
+        for name in (
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "pytorch_model.bin.index.json",
+        )
+        if (path / name).is_file()
+    ]
     optimizer = [path / "optimizer.pt"] if (path / "optimizer.pt").is_file() else list(path.glob("global_step*"))
     if not (path / "trainer_state.json").is_file() or not weights or not optimizer:
         return False
@@ -129,8 +167,11 @@ def attempt_peak_rss_gib(events_file: Path, attempt: int) -> float | None:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(event, dict) and event.get("attempt") == attempt and isinstance(event.get("host_rss_gib"),
-                                                                                      (int, float)):
+        if (
+            isinstance(event, dict)
+            and event.get("attempt") == attempt
+            and isinstance(event.get("host_rss_gib"), (int, float))
+        ):
             peak = max(peak or 0.0, float(event["host_rss_gib"]))
     return peak
 
@@ -166,7 +207,7 @@ def newest_complete_checkpoint(output_dir: Path, tidy: bool = True) -> Path | No
     so LLaMA-Factory's own auto-resume cannot pick them."""
     found = _checkpoints(output_dir)
     best = None
-    for step, path in sorted(found, reverse=True):
+    for _step, path in sorted(found, reverse=True):
         if best is None and is_complete_checkpoint(path):
             best = path
         elif best is None and tidy:
@@ -208,9 +249,20 @@ def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: Train
             _note_step(result, record["current_steps"])
 
 
-def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path, output_dir: Path,
-                 reporter: Reporter, interrupted: dict, on_start, vocab_size: int | None = None,
-                 stop_on_divergence: bool = False, start_process=start) -> dict:
+def _run_attempt(
+    n: int,
+    command: list[str],
+    cwd: Path,
+    env: dict,
+    run_dir: Path,
+    output_dir: Path,
+    reporter: Reporter,
+    interrupted: dict,
+    on_start,
+    vocab_size: int | None = None,
+    stop_on_divergence: bool = False,
+    start_process=start,
+) -> dict:
     log_path = run_dir / f"attempt-{n}.log"
     events_path = Path(env[contract.EVENTS_FILE])
     trainer_log = output_dir / "trainer_log.jsonl"
@@ -227,8 +279,9 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         log_file.flush()
         started = result["started_at"] = time.time()
         process = start_process(command, cwd, env, log_file)
-        interrupted.update(process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher,
-                                                                                   result))
+        interrupted.update(
+            process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher, result)
+        )
         on_start(process.pid)
         follower = FileFollower(log_path)
         detected_at = None
@@ -282,9 +335,14 @@ def _run_attempt(n: int, command: list[str], cwd: Path, env: dict, run_dir: Path
         reader.feed(follower.read_new())
         reader.flush()
         watcher.poll()
-        result.update(returncode=returncode, duration_s=round(time.time() - started, 2), started_at=started,
-                      ended_at=time.time(), last_finite_step=watcher.last_finite_step,
-                      first_nonfinite_step=watcher.first_nonfinite_step)
+        result.update(
+            returncode=returncode,
+            duration_s=round(time.time() - started, 2),
+            started_at=started,
+            ended_at=time.time(),
+            last_finite_step=watcher.last_finite_step,
+            first_nonfinite_step=watcher.first_nonfinite_step,
+        )
         result["tail"] = list(reader.tail)
     interrupted["process"] = None
     return result
@@ -322,13 +380,16 @@ def run_folders(request: TrainRequest, recipe: Recipe) -> tuple[Path, Path]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), run_dir)
-        raise UserError(f"cannot make the run folder {run_dir}: {blocker} is a file; move it or pass --run-dir") \
-            from None
+        raise UserError(
+            f"cannot make the run folder {run_dir}: {blocker} is a file; move it or pass --run-dir"
+        ) from None
     output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
     holder = lock_holder(run_dir, output_dir)
     if holder:  # say who runs there before saying whose folder it is
-        raise UserError(f"{output_dir if (output_dir / LOCK_NAME).is_file() else run_dir} is in use by {holder}: one "
-                        "supervisor per run. Follow it with `lfa status` / `lfa logs -f`, or end it with `lfa stop`")
+        raise UserError(
+            f"{output_dir if (output_dir / LOCK_NAME).is_file() else run_dir} is in use by {holder}: one "
+            "supervisor per run. Follow it with `lfa status` / `lfa logs -f`, or end it with `lfa stop`"
+        )
     try:
         history = bool(read_ledger(run_dir).attempts) if (run_dir / LEDGER_NAME).is_file() else False
     except UserError:
@@ -374,8 +435,10 @@ def hold_run_locks(run_dir: Path, output_dir: Path, node_rank: int | None = None
             handle.close()
             for other in held:
                 other.close()
-            raise UserError(f"{path.parent} is in use by {holder}: one supervisor per run. Follow it with "
-                            "`lfa status` / `lfa logs -f`, or end it with `lfa stop`") from None
+            raise UserError(
+                f"{path.parent} is in use by {holder}: one supervisor per run. Follow it with "
+                "`lfa status` / `lfa logs -f`, or end it with `lfa stop`"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"lfa train (pid {os.getpid()}, run {run_dir})\n")
@@ -409,10 +472,12 @@ def disk_shortfall(output_dir: Path, model: ModelSpec | None, plan: Plan, recipe
     free = shutil.disk_usage(output_dir).free / 2**30
     if free >= need * 1.05:
         return None
-    return (f"{output_dir} has {free:.2f} GiB free, but one checkpoint of {model.name} takes about {need:.2f} GiB "
-            f"({'16-bit weights + fp32 master and Adam state' if plan.deepspeed else 'fp32 weights + Adam state'}); "
-            "free space or point output_dir at a larger disk (save_total_limit only removes old checkpoints after a "
-            "new one is written)")
+    return (
+        f"{output_dir} has {free:.2f} GiB free, but one checkpoint of {model.name} takes about {need:.2f} GiB "
+        f"({'16-bit weights + fp32 master and Adam state' if plan.deepspeed else 'fp32 weights + Adam state'}); "
+        "free space or point output_dir at a larger disk (save_total_limit only removes old checkpoints after a "
+        "new one is written)"
+    )
 
 
 def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | None, plan: Plan) -> str | None:
@@ -429,29 +494,38 @@ def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | 
     for swap in nvme_swap_folders(config if isinstance(config, dict) else {}):
         path = folder / swap
         existing = nearest_existing(path)
-        reusable = sum(f.stat().st_size for f in (path / "zero_stage_3").rglob("*") if f.is_file()) / 2**30 \
-            if (path / "zero_stage_3").is_dir() else 0.0
+        reusable = (
+            sum(f.stat().st_size for f in (path / "zero_stage_3").rglob("*") if f.is_file()) / 2**30
+            if (path / "zero_stage_3").is_dir()
+            else 0.0
+        )
         free = shutil.disk_usage(existing).free / 2**30 + reusable
         if need > disk_limit_gib(free):
-            return (f"NVMe offload swaps {need:.0f} GiB to {swap}, but {existing} has {free:.0f} GiB free "
-                    f"({disk_limit_gib(free):.0f} usable); point nvme_path at a larger local disk "
-                    "(lfa generate --nvme-path DIR)")
+            return (
+                f"NVMe offload swaps {need:.0f} GiB to {swap}, but {existing} has {free:.0f} GiB free "
+                f"({disk_limit_gib(free):.0f} usable); point nvme_path at a larger local disk "
+                "(lfa generate --nvme-path DIR)"
+            )
     return None
 
 
 def training_inputs(recipe: Recipe) -> dict:
     """What a run's checkpoints come from: the recipe file's keys (--set keys are said on the command line, so
     they are not part of it) and a fingerprint of each dataset file."""
-    return {"recipe": json.loads(json.dumps(recipe.data, default=str)),
-            "datasets": {str(path.resolve()): file_fingerprint(path) for path in dataset_files(recipe)}}
+    return {
+        "recipe": json.loads(json.dumps(recipe.data, default=str)),
+        "datasets": {str(path.resolve()): file_fingerprint(path) for path in dataset_files(recipe)},
+    }
 
 
 def refuse_bad_dataset(recipe: Recipe) -> None:
     """The dataset files LLaMA-Factory will read, checked before anything starts (file:line for each problem)."""
     problems = [p for path, columns in dataset_entries(recipe) for p in dataset_problems(path, columns)]
     if problems:
-        raise UserError("the dataset would fail or lose rows in LLaMA-Factory; not started:\n" +
-                        "\n".join(f"  {p}" for p in problems))
+        raise UserError(
+            "the dataset would fail or lose rows in LLaMA-Factory; not started:\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
 
 
 def refuse_changed_resume(request: TrainRequest, recipe: Recipe, ledger: RunLedger, output_dir: Path) -> dict:
@@ -461,10 +535,12 @@ def refuse_changed_resume(request: TrainRequest, recipe: Recipe, ledger: RunLedg
     if not request.fresh and not request.resume_anyway and newest_complete_checkpoint(output_dir, tidy=False):
         changed = changed_inputs(ledger.trained_from, now)
         if changed:
-            raise UserError(f"the recipe or its data changed since this run's checkpoints were trained ("
-                            f"{'; '.join(changed)}): resuming would continue the old run under the new settings. "
-                            "Pass --resume-anyway to resume, or --fresh to start over (old checkpoints are renamed "
-                            "aside)")
+            raise UserError(
+                f"the recipe or its data changed since this run's checkpoints were trained ("
+                f"{'; '.join(changed)}): resuming would continue the old run under the new settings. "
+                "Pass --resume-anyway to resume, or --fresh to start over (old checkpoints are renamed "
+                "aside)"
+            )
     return now
 
 
@@ -474,12 +550,18 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     if not before:
         return []
     old, new = before.get("recipe", {}), now.get("recipe", {})
-    changes = [f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
-               for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    changes = [
+        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
     old_data, new_data = before.get("datasets", {}), now.get("datasets", {})
-    changes += [f"dataset {Path(path).name} " + ("removed" if path not in new_data else "added" if path not in old_data
-                                                   else "edited")
-                for path in sorted(set(old_data) | set(new_data)) if old_data.get(path) != new_data.get(path)]
+    changes += [
+        f"dataset {Path(path).name} "
+        + ("removed" if path not in new_data else "added" if path not in old_data else "edited")
+        for path in sorted(set(old_data) | set(new_data))
+        if old_data.get(path) != new_data.get(path)
+    ]
     return changes
 
 
@@ -491,8 +573,13 @@ def trained_model_spec(recipe: Recipe) -> ModelSpec | None:
         return None
 
 
-def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSpec | None, liger_available: bool,
-                     allow_hparam_change: bool = False) -> Context:
+def recovery_context(
+    recipe: Recipe,
+    hardware: HardwareProfile,
+    trained: ModelSpec | None,
+    liger_available: bool,
+    allow_hparam_change: bool = False,
+) -> Context:
     """What remedies need to know of a run: the recipe's schedule and model, the hardware, the shape OOM recovery
     plans for (None: the plain ladder). LFA_EMULATE_MODEL names another shape to plan for: fault-injection tests
     emulate a 6.7B OOM while a tiny model trains on the CPU."""
@@ -500,15 +587,21 @@ def recovery_context(recipe: Recipe, hardware: HardwareProfile, trained: ModelSp
     lr = recipe.data.get("learning_rate")
     kwargs = recipe.data.get("lr_scheduler_kwargs")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
-    return Context(hardware=hardware, allow_hparam_change=allow_hparam_change,
-                   learning_rate=float(lr) if lr is not None else None, hub_mirror=hub_mirror_from_env(),
-                   model_cached=model_dir.is_dir(), scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
-                   model=load_model_spec(emulated) if emulated else trained,
-                   seq_len=int(recipe.data.get("cutoff_len") or 2048),
-                   mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
-                   liger_available=liger_available,
-                   dataloader_workers=int(recipe.data["dataloader_num_workers"])
-                   if str(recipe.data.get("dataloader_num_workers", "")).isdigit() else None)
+    return Context(
+        hardware=hardware,
+        allow_hparam_change=allow_hparam_change,
+        learning_rate=float(lr) if lr is not None else None,
+        hub_mirror=hub_mirror_from_env(),
+        model_cached=model_dir.is_dir(),
+        scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        model=load_model_spec(emulated) if emulated else trained,
+        seq_len=int(recipe.data.get("cutoff_len") or 2048),
+        mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
+        liger_available=liger_available,
+        dataloader_workers=int(recipe.data["dataloader_num_workers"])
+        if str(recipe.data.get("dataloader_num_workers", "")).isdigit()
+        else None,
+    )
 
 
 def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, model: ModelSpec | None) -> dict:
@@ -518,14 +611,18 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
     seq_len = int(recipe.data.get("cutoff_len") or 2048)
     c = predict(model, plan, hardware, seq_len, float(recipe.meta.get("mean_seq_fraction", 0.75)))
     # on a CPU the speed "model" is a rough FLOP rate: no prediction to hold a measurement against
-    return {"tokens_per_s": round(c.tokens_per_s) if hardware.has_gpu else None,
-            "speed_basis": speed_basis(hardware, plan),
-            "reserved_gib": round(c.memory.reserved_gib, 3),
-            "budget_gib": c.memory.budget_gib, "limit_gib": c.memory.limit_gib,
-            "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()}, "host_gib": round(c.host.total_gib, 2),
-            # for the report's MFU: 6N + attention at cutoff_len per token (bench/seed_scenario.py's accounting)
-            "flops_per_token": model.flops_per_token(seq_len),
-            "peak_tflops": hardware.gpu.peak_tflops_16bit * plan.world_size if hardware.has_gpu else None}
+    return {
+        "tokens_per_s": round(c.tokens_per_s) if hardware.has_gpu else None,
+        "speed_basis": speed_basis(hardware, plan),
+        "reserved_gib": round(c.memory.reserved_gib, 3),
+        "budget_gib": c.memory.budget_gib,
+        "limit_gib": c.memory.limit_gib,
+        "memory_gib": {k: round(v, 3) for k, v in c.memory.items.items()},
+        "host_gib": round(c.host.total_gib, 2),
+        # for the report's MFU: 6N + attention at cutoff_len per token (bench/seed_scenario.py's accounting)
+        "flops_per_token": model.flops_per_token(seq_len),
+        "peak_tflops": hardware.gpu.peak_tflops_16bit * plan.world_size if hardware.has_gpu else None,
+    }
 
 
 @dataclass
@@ -601,9 +698,15 @@ def prepare(request: TrainRequest) -> RunSetup:
     if request.fresh:  # what earlier attempts wrote is moved aside, never deleted
         set_aside_previous_output(output_dir)
     ledger.trained_from = trained_from
-    rendezvous_env = {name: str(value) for name, value in (("NODE_RANK", request.node_rank),
-                                                            ("MASTER_ADDR", request.master_addr),
-                                                            ("MASTER_PORT", request.master_port)) if value is not None}
+    rendezvous_env = {
+        name: str(value)
+        for name, value in (
+            ("NODE_RANK", request.node_rank),
+            ("MASTER_ADDR", request.master_addr),
+            ("MASTER_PORT", request.master_port),
+        )
+        if value is not None
+    }
     if request.node_rank is not None and not 0 <= request.node_rank < hardware.nodes:
         raise UserError(f"--node-rank {request.node_rank}: the recipe's hardware has {hardware.nodes} node(s)")
     reporter = Reporter(request.json_events)
@@ -615,29 +718,57 @@ def prepare(request: TrainRequest) -> RunSetup:
         user_keys[key] = parse_value(value)
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
     trained_model = trained_model_spec(recipe)
-    context = recovery_context(recipe, hardware, trained_model,
-                               liger_available=installed_versions().get("liger-kernel") is not None,
-                               allow_hparam_change=request.allow_hparam_change)
+    context = recovery_context(
+        recipe,
+        hardware,
+        trained_model,
+        liger_available=installed_versions().get("liger-kernel") is not None,
+        allow_hparam_change=request.allow_hparam_change,
+    )
     # --set keys are part of the recipe this run starts from: the plan (and every remedy) starts from them, and a
     # remedy's change wins over them on the next attempt
     effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
     attempt = Attempt(plan_from_recipe(effective, hardware))
     launch_keys = {}
-    if attempt.plan.launcher == "ray" and "ray_run_name" not in recipe.data \
-            and "master_addr" not in recipe.data and "master_addr" not in user_keys:
+    if (
+        attempt.plan.launcher == "ray"
+        and "ray_run_name" not in recipe.data
+        and "master_addr" not in recipe.data
+        and "master_addr" not in user_keys
+    ):
         address = ray_node_address()
         if address is None:
-            raise UserError(f"{recipe.path} trains through Ray (USE_RAY=1) but ray is not installed here: "
-                            "pip install ray")
+            raise UserError(
+                f"{recipe.path} trains through Ray (USE_RAY=1) but ray is not installed here: pip install ray"
+            )
         launch_keys["master_addr"] = address
-    return RunSetup(request, recipe, hardware, name, run_dir, output_dir, locks, ledger, reporter, user_keys,
-                    model_dir, trained_model, context, effective, attempt, launch_keys, rendezvous_env, ended_orphan)
+    return RunSetup(
+        request,
+        recipe,
+        hardware,
+        name,
+        run_dir,
+        output_dir,
+        locks,
+        ledger,
+        reporter,
+        user_keys,
+        model_dir,
+        trained_model,
+        context,
+        effective,
+        attempt,
+        launch_keys,
+        rendezvous_env,
+        ended_orphan,
+    )
 
 
 @dataclass
 class LoopState:
     """What carries from one attempt to the next: the plan to run, the changes the last one ran with, the notes for
     the resolved recipe, the remedies tried."""
+
     attempt: Attempt
     previous_changes: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -647,6 +778,7 @@ class LoopState:
 @dataclass
 class Launch:
     """One attempt ready to start: its command line and environment, and what it changes and resumes from."""
+
     n: int
     command: list[str]
     env: dict
@@ -665,23 +797,36 @@ def prepare_launch(setup: RunSetup, state: LoopState) -> Launch | str:
     changes = key_changes(setup.effective, attempt, plan_keys(setup.attempt.plan))
     if attempt.plan.deepspeed and (changes.get("deepspeed") or attempt.own_deepspeed_config):
         changes["deepspeed"] = write_deepspeed_config(recipe.folder, attempt.plan, setup.context.model, hardware)
-    short = swap_shortfall(recipe.folder, changes.get("deepspeed") or setup.effective.data.get("deepspeed"),
-                           setup.context.model or setup.trained_model, attempt.plan)
+    short = swap_shortfall(
+        recipe.folder,
+        changes.get("deepspeed") or setup.effective.data.get("deepspeed"),
+        setup.context.model or setup.trained_model,
+        attempt.plan,
+    )
     if short:
         return short
     overrides = {**setup.user_keys, **changes, **setup.launch_keys}
     # every node resumes from the same checkpoint of the shared output_dir; only node 0 tidies it
-    checkpoint = newest_complete_checkpoint(output_dir, tidy=not setup.request.node_rank) \
-        if output_dir.exists() else None
+    checkpoint = (
+        newest_complete_checkpoint(output_dir, tidy=not setup.request.node_rank) if output_dir.exists() else None
+    )
     if checkpoint:
         overrides["resume_from_checkpoint"] = str(checkpoint)
         if not any(a.resumed_from or a.last_step for a in setup.ledger.attempts):
-            setup.reporter.event("resume_note", f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
-                                 "run; pass --fresh to start over (it renames old checkpoints aside)",
-                                 checkpoint=str(checkpoint))
+            setup.reporter.event(
+                "resume_note",
+                f"lfa: resuming from {checkpoint}, left in output_dir by an earlier "
+                "run; pass --fresh to start over (it renames old checkpoints aside)",
+                checkpoint=str(checkpoint),
+            )
     n = len(setup.ledger.attempts) + 1
-    entries = launch_env(attempt.plan, offline=setup.model_dir.is_dir(), master_port=hardware.master_port,
-                         master_addr=hardware.master_addr, report_to=setup.effective.data.get("report_to"))
+    entries = launch_env(
+        attempt.plan,
+        offline=setup.model_dir.is_dir(),
+        master_port=hardware.master_port,
+        master_addr=hardware.master_addr,
+        report_to=setup.effective.data.get("report_to"),
+    )
     env = resolve_env(entries)
     env.update(attempt.env)
     env[contract.EVENTS_FILE] = str(setup.run_dir / "events.jsonl")
@@ -689,8 +834,7 @@ def prepare_launch(setup: RunSetup, state: LoopState) -> Launch | str:
     env.update(setup.rendezvous_env)
     if attempt.plan.sharding == Sharding.FSDP2:
         write_accelerate_config(recipe.folder, attempt.plan)
-    command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()],
-                                   attempt.plan, env)
+    command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()], attempt.plan, env)
     env[contract.ATTEMPT] = str(n)
     return Launch(n, command, env, [e.name for e in entries], overrides, changes, checkpoint)
 
@@ -699,23 +843,33 @@ def record_attempt(setup: RunSetup, state: LoopState, launch: Launch) -> Attempt
     """The attempt's ledger entry, saved before it starts; says on the console what runs."""
     plan = state.attempt.plan
     record = AttemptRecord(
-        n=launch.n, started=dt.datetime.now().isoformat(timespec="seconds"), plan=plan.label(),
-        overrides=launch.overrides, env={name: launch.env[name] for name in launch.env_names} | state.attempt.env,
+        n=launch.n,
+        started=dt.datetime.now().isoformat(timespec="seconds"),
+        plan=plan.label(),
+        overrides=launch.overrides,
+        env={name: launch.env[name] for name in launch.env_names} | state.attempt.env,
         recipe_hash=_hash({**setup.recipe.data, **launch.overrides}),
         diff_from_previous={k: v for k, v in launch.changes.items() if state.previous_changes.get(k) != v},
         resumed_from=str(launch.checkpoint) if launch.checkpoint else None,
-        predicted=attempt_prediction(setup.effective, setup.hardware, plan, setup.trained_model))
-    setup.reporter.event("attempt_start", f"[attempt {launch.n}] {plan.label()}" +
-                         (f" resuming from {launch.checkpoint.name}" if launch.checkpoint else "") +
-                         (f" with {launch.overrides}" if launch.overrides else ""), attempt=launch.n,
-                         plan=plan.label(), overrides=launch.overrides)
+        predicted=attempt_prediction(setup.effective, setup.hardware, plan, setup.trained_model),
+    )
+    setup.reporter.event(
+        "attempt_start",
+        f"[attempt {launch.n}] {plan.label()}"
+        + (f" resuming from {launch.checkpoint.name}" if launch.checkpoint else "")
+        + (f" with {launch.overrides}" if launch.overrides else ""),
+        attempt=launch.n,
+        plan=plan.label(),
+        overrides=launch.overrides,
+    )
     setup.ledger.attempts.append(record)
     setup.save()
     return record
 
 
-def run_and_classify(setup: RunSetup, launch: Launch, record: AttemptRecord, interrupted: dict,
-                     start_process) -> tuple[dict, Failure | None]:
+def run_and_classify(
+    setup: RunSetup, launch: Launch, record: AttemptRecord, interrupted: dict, start_process
+) -> tuple[dict, Failure | None]:
     """Start the trainer, watch it to its end, and say what went wrong (None: it succeeded)."""
     run_dir, output_dir = setup.run_dir, setup.output_dir
 
@@ -724,10 +878,20 @@ def run_and_classify(setup: RunSetup, launch: Launch, record: AttemptRecord, int
         setup.save()
 
     oom_kills_before = cgroup_oom_kills()
-    result = _run_attempt(launch.n, launch.command, setup.recipe.folder, launch.env, run_dir, output_dir,
-                          setup.reporter, interrupted, on_start,
-                          setup.trained_model.vocab_size if setup.trained_model else None,
-                          setup.request.stop_on_divergence, start_process)
+    result = _run_attempt(
+        launch.n,
+        launch.command,
+        setup.recipe.folder,
+        launch.env,
+        run_dir,
+        output_dir,
+        setup.reporter,
+        interrupted,
+        on_start,
+        setup.trained_model.vocab_size if setup.trained_model else None,
+        setup.request.stop_on_divergence,
+        start_process,
+    )
     failure = classify(result.pop("tail"), result["returncode"])
     if failure is not None and failure.kind == "host_oom_kill":
         peak = attempt_peak_rss_gib(run_dir / "events.jsonl", launch.n)
@@ -736,9 +900,13 @@ def run_and_classify(setup: RunSetup, launch: Launch, record: AttemptRecord, int
         if evidence:
             failure.evidence.append(f"host OOM: {evidence}")
         else:
-            failure = unexplained_kill(failure, "no sign of a host OOM: the cgroup's oom_kill count did not "
-                                       "rise" + (f", the trainer's RSS peaked at {peak:.2f} of {ram:.0f} GiB"
-                                                 if peak and ram else "") + "; killed by someone else")
+            failure = unexplained_kill(
+                failure,
+                "no sign of a host OOM: the cgroup's oom_kill count did not "
+                "rise"
+                + (f", the trainer's RSS peaked at {peak:.2f} of {ram:.0f} GiB" if peak and ram else "")
+                + "; killed by someone else",
+            )
     live_stop = (result["live_stop"] or {}).get("kind")
     if live_stop == "nan_loss":
         failure = classify(["lfa: non-finite loss or grad_norm"], None)
@@ -761,32 +929,44 @@ def finish_success(setup: RunSetup, state: LoopState, launch: Launch, record: At
     if launch.changes:
         recipe = setup.recipe
         resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
-        env_notes = [f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
-                     for k, v in record.env.items() if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))]
+        env_notes = [
+            f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
+            for k, v in record.env.items()
+            if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))
+        ]
         resolved.write_text(resolved_text(recipe, {**setup.user_keys, **launch.changes}, state.notes + env_notes))
         setup.ledger.resolved_recipe = str(resolved)
         setup.reporter.event("resolved", f"wrote {resolved} (what changed and why in its header)", path=str(resolved))
     setup.save()
-    setup.reporter.event("done", f"[attempt {launch.n}] finished: {setup.output_dir}", attempt=launch.n,
-                         output_dir=str(setup.output_dir))
+    setup.reporter.event(
+        "done", f"[attempt {launch.n}] finished: {setup.output_dir}", attempt=launch.n, output_dir=str(setup.output_dir)
+    )
     return 0
 
 
-def decide_after_failure(setup: RunSetup, state: LoopState, record: AttemptRecord, failure: Failure,
-                         result: dict) -> int | None:
+def decide_after_failure(
+    setup: RunSetup, state: LoopState, record: AttemptRecord, failure: Failure, result: dict
+) -> int | None:
     """Record the failure and pick the remedy: the exit code when the run ends here, None when state.attempt now
     holds the next attempt."""
     ledger, reporter, n = setup.ledger, setup.reporter, record.n
     record.status = "failed"
-    reporter.event("failure", f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
-                   attempt=n, **failure.to_dict())
+    reporter.event(
+        "failure",
+        f"[attempt {n}] failed: {failure.kind}: " + " | ".join(failure.evidence)[:600],
+        attempt=n,
+        **failure.to_dict(),
+    )
     log = setup.run_dir / result["log"]
     if not failure.retriable:
         ledger.status = "failed"
         setup.save()
         advice = next((c.advice for c in failure_classes() if c.name == failure.kind), "")
-        reporter.event("error", f"lfa: {failure.kind} cannot be fixed by retrying; see {log}"
-                       + (f"\n{advice}" if advice else ""), kind=failure.kind)
+        reporter.event(
+            "error",
+            f"lfa: {failure.kind} cannot be fixed by retrying; see {log}" + (f"\n{advice}" if advice else ""),
+            kind=failure.kind,
+        )
         return 1
     remedy = next_remedy(state.attempt, failure, setup.context, state.tried)
     if remedy is None or remedy.attempt is None:
@@ -794,14 +974,18 @@ def decide_after_failure(setup: RunSetup, state: LoopState, record: AttemptRecor
         if remedy is not None:
             record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
         setup.save()
-        reporter.event("error", f"lfa: {remedy.why}" if remedy else f"lfa: no remedy left for {failure.kind}; see {log}",
-                       kind=failure.kind)
+        reporter.event(
+            "error",
+            f"lfa: {remedy.why}" if remedy else f"lfa: no remedy left for {failure.kind}; see {log}",
+            kind=failure.kind,
+        )
         return 1
     state.notes.append(f"attempt {n} failed with {failure.kind}; {remedy.action}: {remedy.why}")
     record.remedy = {"action": remedy.action, "why": remedy.why, "decided_at": time.time()}
     setup.save()
-    reporter.event("remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action,
-                   why=remedy.why)
+    reporter.event(
+        "remedy", f"[attempt {n}] remedy {remedy.action}: {remedy.why}", action=remedy.action, why=remedy.why
+    )
     state.attempt = remedy.attempt
     return None
 
@@ -810,8 +994,13 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
     """Attempts until one succeeds, a failure cannot be retried, or the budget is spent: the exit code. Each attempt:
     prepare_launch, record_attempt, run_and_classify, then finish_success or decide_after_failure.
     start_process(command, cwd, env, log_file) -> Popen starts the trainer (launch.start; tests pass others)."""
-    request, run_dir, output_dir, ledger, reporter = (setup.request, setup.run_dir, setup.output_dir, setup.ledger,
-                                                      setup.reporter)
+    request, run_dir, output_dir, ledger, reporter = (
+        setup.request,
+        setup.run_dir,
+        setup.output_dir,
+        setup.ledger,
+        setup.reporter,
+    )
     save = setup.save
     state = LoopState(setup.attempt)
     interrupted = {"process": None, "signal": None}
@@ -822,8 +1011,10 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             stop_group(interrupted["process"])
         raise KeyboardInterrupt
 
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, on_signal),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal),
+    }
     for earlier in ledger.attempts:  # attempts of a supervisor that died (kill -9) never got a status
         earlier.status = earlier.status or "supervisor died"
     ledger.status, ledger.supervisor_pid, ledger.error, ledger.name = "running", os.getpid(), None, setup.name
@@ -857,12 +1048,16 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             raise
         last = ledger.last
         if last is not None and last.returncode == 0:  # the trainer had finished: only lfa's records are missing
-            message = (f"training finished (the model is in {output_dir}), but the disk is full "
-                       f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
-                       "lfa report to redraw them")
+            message = (
+                f"training finished (the model is in {output_dir}), but the disk is full "
+                f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
+                "lfa report to redraw them"
+            )
         else:
-            message = (f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
-                       "train again, it resumes from the newest complete checkpoint")
+            message = (
+                f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
+                "train again, it resumes from the newest complete checkpoint"
+            )
         ledger.status = "succeeded" if last is not None and last.returncode == 0 else "failed"
         release_reserve(run_dir)  # the room held at the start: enough for the ledger
         try:
@@ -922,8 +1117,19 @@ def start_detached(request: TrainRequest) -> DetachedRun:
         ledger = RunLedger("")
     refuse_bad_dataset(recipe)
     refuse_changed_resume(request, recipe, ledger, output_dir)
-    args = [sys.executable, "-m", "lf_adapter.cli", "train", str(request.recipe.resolve()), "--run-dir", str(run_dir),
-            "--name", name, "--max-attempts", str(request.max_attempts)]
+    args = [
+        sys.executable,
+        "-m",
+        "lf_adapter.cli",
+        "train",
+        str(request.recipe.resolve()),
+        "--run-dir",
+        str(run_dir),
+        "--name",
+        name,
+        "--max-attempts",
+        str(request.max_attempts),
+    ]
     args += ["--allow-hparam-change"] if request.allow_hparam_change else []
     args += ["--node-rank", str(request.node_rank)] if request.node_rank is not None else []
     args += ["--hardware", request.hardware] if request.hardware else []
@@ -934,7 +1140,13 @@ def start_detached(request: TrainRequest) -> DetachedRun:
     args += ["--master-port", str(request.master_port)] if request.master_port else []
     args += [x for s in request.overrides for x in ("--set", s)]
     with (run_dir / "supervisor.log").open("ab") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=os.getcwd())
+        process = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.getcwd(),
+        )
     (run_dir / "supervisor.pid").write_text(str(process.pid))
     return DetachedRun(name, run_dir, process.pid)
