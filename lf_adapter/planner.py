@@ -138,27 +138,22 @@ def candidate_plans(
     packing = [True, False] if options.allow_packing else [False]
     # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
     padding_free = [True] if options.fixed.get("padding_free") else [False]
+    z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
+    optimizer_offload, all_offload = Offload.OPTIMIZER.value, Offload.ALL.value
     if options.fixed.get("sharding") == Sharding.FSDP2:  # only when pinned: FSDP2's speed is not measured yet
-        ds = [("fsdp2", "none")]
+        ds = [(Sharding.FSDP2.value, none)]
     elif on_cpu or not options.allow_deepspeed:
-        ds = [(None, "none")]
+        ds = [(None, none)]
     elif world == 1:
         # on one GPU ZeRO shards nothing and adds its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB
         # died allocating a 25 GiB fp32 copy): DeepSpeed only when it offloads, unless pinned
-        ds = [(None, "none"), ("zero2", "optimizer"), ("zero3", "all")]
+        ds = [(None, none), (z2, optimizer_offload), (z3, all_offload)]
         if "sharding" in options.fixed or "deepspeed" in options.fixed:
-            ds += [("zero2", "none"), ("zero3", "none")]
+            ds += [(z2, none), (z3, none)]
     else:
-        ds = [
-            (None, "none"),
-            ("zero2", "none"),
-            ("zero3", "none"),
-            ("zero2", "optimizer"),
-            ("zero3", "optimizer"),
-            ("zero3", "all"),
-        ]
+        ds = [(None, none), (z2, none), (z3, none), (z2, optimizer_offload), (z3, optimizer_offload), (z3, all_offload)]
     if hardware.disk is not None and not hardware.disk.rotational and not on_cpu and options.allow_deepspeed:
-        ds += [("zero3", Offload.NVME_OPTIMIZER.value), ("zero3", Offload.NVME_ALL.value)]
+        ds += [(z3, Offload.NVME_OPTIMIZER.value), (z3, Offload.NVME_ALL.value)]
     # every optimizer is priced (the report shows what an opt-in would give); plan() chooses among the allowed
     optimizers = [options.fixed["optimizer"]] if options.fixed.get("optimizer") else [o.value for o in Optimizer]
     fixed = {

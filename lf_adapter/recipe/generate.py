@@ -143,7 +143,7 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         elif not isinstance(value, PINNABLE[key]):
             raise UserError(f"--pin {item!r}: {key} takes a {PINNABLE[key].__name__}")
         fixed[key] = value
-    if fixed.get("deepspeed") not in (None, "zero2", "zero3"):
+    if fixed.get("deepspeed") not in (None, Sharding.ZERO2, Sharding.ZERO3):
         raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
     if "sharding" in fixed:
         try:

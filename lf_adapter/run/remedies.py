@@ -105,7 +105,14 @@ def _not_zero3(action):
     return wrapped
 
 
-DEEPSPEED_ORDER = [(None, "none"), ("zero2", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "all")]
+# from lightest to heaviest on the host: (DeepSpeed stage, offload)
+DEEPSPEED_ORDER = [
+    (None, Offload.NONE.value),
+    (Sharding.ZERO2.value, Offload.NONE.value),
+    (Sharding.ZERO2.value, Offload.OPTIMIZER.value),
+    (Sharding.ZERO3.value, Offload.OPTIMIZER.value),
+    (Sharding.ZERO3.value, Offload.ALL.value),
+]
 
 
 def _deepspeed(stage, offload):
@@ -161,9 +168,9 @@ PLAN_ACTIONS = {
     "no_liger": _switch("liger", False, "liger-kernel is not installed here: run without it"),
     "sdpa": _switch("attention", "sdpa", "sdpa attention: no score matrix in memory, no extra package"),
     "eager_attention": _switch("attention", "eager", "eager attention: rules out a fused-kernel numerics problem"),
-    "zero2": _deepspeed("zero2", "none"),
-    "zero2_offload": _deepspeed("zero2", "optimizer"),
-    "zero3_offload": _deepspeed("zero3", "all"),
+    "zero2": _deepspeed(Sharding.ZERO2.value, Offload.NONE.value),
+    "zero2_offload": _deepspeed(Sharding.ZERO2.value, Offload.OPTIMIZER.value),
+    "zero3_offload": _deepspeed(Sharding.ZERO3.value, Offload.ALL.value),
     "fp16": _fp16,
     "bf16_if_supported": _bf16_if_supported,
     "drop_deepspeed": _drop_deepspeed,
