@@ -164,9 +164,10 @@ def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_va
 
 
 def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu_recipe, tmp_path):
-    recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
+    # 60 steps of >= 0.5 s: time for the refusals below before it could end; the resumed run then trains the rest
+    recipe = cpu_recipe("max_steps=60", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.5"})
     assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
     # a second lfa train of the same run, and of the same recipe under another name: refused, nothing started
     for extra in ((), ("--name", "other")):
@@ -189,7 +190,7 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     page = (tmp_path / "report" / "report.html").read_text()
     assert "killed?" in page and page.count("data:image/png;base64,") == 5
     # lfa train again resumes from that checkpoint; no step is trained twice
-    resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=400", env={"LFA_STEP_DELAY_S": "0"})
+    resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=60", env={"LFA_STEP_DELAY_S": "0"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     first, second = _ledger(run_dir)["attempts"][:2]
     assert first["status"] == "supervisor died"
