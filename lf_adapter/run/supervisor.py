@@ -249,20 +249,13 @@ def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: Train
             _note_step(result, record["current_steps"])
 
 
-def _run_attempt(
-    n: int,
-    command: list[str],
-    cwd: Path,
-    env: dict,
-    run_dir: Path,
-    output_dir: Path,
-    reporter: Reporter,
-    interrupted: dict,
-    on_start,
-    vocab_size: int | None = None,
-    stop_on_divergence: bool = False,
-    start_process=start,
-) -> dict:
+def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, start_process=start) -> dict:
+    """Start the trainer and follow it to its end: the progress line, the steps it made, a failure that ends it
+    early (a NaN, a divergence, a class that cannot recover), its return code and the log's tail."""
+    n, command, env, cwd = launch.n, launch.command, launch.env, setup.recipe.folder
+    run_dir, output_dir, reporter = setup.run_dir, setup.output_dir, setup.reporter
+    vocab_size = setup.trained_model.vocab_size if setup.trained_model else None
+    stop_on_divergence = setup.request.stop_on_divergence
     log_path = run_dir / f"attempt-{n}.log"
     events_path = Path(env[contract.EVENTS_FILE])
     trainer_log = output_dir / "trainer_log.jsonl"
@@ -878,20 +871,7 @@ def run_and_classify(
         setup.save()
 
     oom_kills_before = cgroup_oom_kills()
-    result = _run_attempt(
-        launch.n,
-        launch.command,
-        setup.recipe.folder,
-        launch.env,
-        run_dir,
-        output_dir,
-        setup.reporter,
-        interrupted,
-        on_start,
-        setup.trained_model.vocab_size if setup.trained_model else None,
-        setup.request.stop_on_divergence,
-        start_process,
-    )
+    result = watch_attempt(setup, launch, interrupted, on_start, start_process)
     failure = classify(result.pop("tail"), result["returncode"])
     if failure is not None and failure.kind == "host_oom_kill":
         peak = attempt_peak_rss_gib(run_dir / "events.jsonl", launch.n)
