@@ -21,7 +21,7 @@ from .memory import (
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 from .strategy import Offload, Optimizer, Sharding, normalized_sharding, violations
-from .throughput import predict_tokens_per_s
+from .throughput import predict_tokens_per_s, within_checked_sizes
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -309,7 +309,7 @@ def plan(
         )
     chosen = fitting[0]
     return PlanResult(
-        chosen=dataclasses.replace(chosen, plan=explain(chosen, hardware, options, fitting)),
+        chosen=dataclasses.replace(chosen, plan=explain(chosen, model, hardware, options, fitting)),
         runners_up=fitting[1:6],
         rejected=rejected[:5],
         priced=candidates,
@@ -550,7 +550,9 @@ OPTIMIZER_REASONS = {
 }
 
 
-def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]) -> Plan:
+def explain(
+    c: Candidate, model: ModelSpec, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]
+) -> Plan:
     p = c.plan
     natural, precision_reason = pick_precision(hardware)
     if p.precision != natural:
@@ -656,6 +658,12 @@ def explain(c: Candidate, hardware: HardwareProfile, options: PlanOptions, fitti
         "optimizer": OPTIMIZER_REASONS[p.optimizer],
         "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s"
         + (" (a rough CPU FLOP rate, not measured)" if p.on_cpu else "")
+        + (
+            f" (only to rank plans: {model.num_params / 1e6:,.1f} M parameters is far below the sizes the speed "
+            "model was checked on, 350M-6.7B; such a step is bound by kernel launches)"
+            if not p.on_cpu and not within_checked_sizes(model)
+            else ""
+        )
         + f"; {len(fitting)} plans fit",
     }
     return p.replace(reasons=reasons)

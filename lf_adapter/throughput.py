@@ -83,6 +83,11 @@ def predict_tokens_per_s(
     return real_tokens * plan.grad_accum * plan.world_size / step_s
 
 
+def within_checked_sizes(model: ModelSpec) -> bool:
+    """Whether the throughput model was checked on models of about this size (not far below the smallest)."""
+    return model.num_params >= coefficients()["throughput"]["smallest_checked_params"]
+
+
 def disk_bytes_per_s(hardware: HardwareProfile) -> tuple[float, float]:
     """(read, write) bytes/s of the profile's disk; the measured H200 device's disk when the profile has no rates."""
     c = coefficients()["nvme"]

@@ -152,3 +152,34 @@ def test_detect_reports_cpu_and_saves_a_loadable_profile(tmp_path):
     }
     loaded = load_profile(str(tmp_path / "me.yaml"))
     assert loaded.gpus_per_node == report["profile"]["gpus_per_node"]
+
+
+def test_a_model_far_below_the_checked_sizes_gets_no_speed_to_be_held_to(demo_assets, tmp_path):
+    """The demo's tiny model on the H200 was predicted at 232,821 tok/s and ran at 7,807 (kernel launches bound
+    it): lfa ranks plans with the figure but says so, and the run is not held to it."""
+    from lf_adapter.plan import Plan
+    from lf_adapter.recipe.read import load_recipe
+    from lf_adapter.run.supervisor import attempt_prediction
+
+    model, data = demo_assets
+    result = run_lfa(
+        "generate",
+        "--task",
+        "pseudo2norm",
+        "--model",
+        model,
+        "--dataset",
+        data,
+        "--hardware",
+        "h200",
+        "--set",
+        "effective_batch_size=8",
+        "-o",
+        tmp_path / "r",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "only to rank plans" in result.stdout
+    recipe, plan = load_recipe(tmp_path / "r" / "train.yaml"), Plan.from_label("bf16/mbs8xga1x1/nogc/liger/sdpa")
+    tiny, big = load_model_spec(str(model)), load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    assert attempt_prediction(recipe, load_profile("h200"), plan, tiny)["tokens_per_s"] is None
+    assert attempt_prediction(recipe, load_profile("h200"), plan, big)["tokens_per_s"] > 0

@@ -40,7 +40,7 @@ from ..recipe.read import (
 from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed
 from ..recipe.render import yaml_scalar as _scalar
 from ..strategy import Sharding
-from ..throughput import speed_basis
+from ..throughput import speed_basis, within_checked_sizes
 from .guard import claim_output_dir, foreign_entries, output_dir_problem
 from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, release_reserve, reserve_room, write_ledger
 from .monitor import (
@@ -603,9 +603,10 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
         return {}
     seq_len = int(recipe.data.get("cutoff_len") or 2048)
     c = predict(model, plan, hardware, seq_len, float(recipe.meta.get("mean_seq_fraction", 0.75)))
-    # on a CPU the speed "model" is a rough FLOP rate: no prediction to hold a measurement against
+    # on a CPU the speed "model" is a rough FLOP rate, and far below the sizes it was checked on a step is bound by
+    # kernel launches: no prediction to hold a measurement against
     return {
-        "tokens_per_s": round(c.tokens_per_s) if hardware.has_gpu else None,
+        "tokens_per_s": round(c.tokens_per_s) if hardware.has_gpu and within_checked_sizes(model) else None,
         "speed_basis": speed_basis(hardware, plan),
         "reserved_gib": round(c.memory.reserved_gib, 3),
         "budget_gib": c.memory.budget_gib,
