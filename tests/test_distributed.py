@@ -87,8 +87,13 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
     last = _ledger(run_dir)["attempts"][-1]
     assert last["resumed_from"].endswith(saved[-1].name) and last["last_step"] == 8
     assert "don't know how to restore" not in (run_dir / f"attempt-{last['n']}.log").read_text()
+    # the resumed attempt starts past the window (steps 1-2): it profiles as many steps from where it starts, and
+    # the report states the newest window
+    again = [e for e in _events(run_dir) if e["event"] == "comm" and e["attempt"] == last["n"]]
+    assert len(again) == 1 and again[0]["first_step"] == int(saved[-1].name.rsplit("-", 1)[1]) + 1
+    first, share = again[0]["first_step"], again[0]["share"]
     assert (
-        f"collectives ran {comm['share']:.1%} of optimizer steps 1-2 of attempt 1"
+        f"collectives ran {share:.1%} of optimizer steps {first}-{first + 1} of attempt {last['n']}"
         in (run_dir / "report.html").read_text()
     )
 

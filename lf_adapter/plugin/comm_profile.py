@@ -56,11 +56,12 @@ def collective_intervals(events) -> tuple[list[tuple[float, float]], list[str]]:
 
 
 class CommProfileCallback(TrainerCallback):
-    """Profiles steps first..last on rank 0 of a multi-process run and emits one `comm` event."""
+    """Profiles steps first..last on rank 0 of a multi-process run and emits one `comm` event; an attempt that
+    resumes past `first` profiles as many steps from where it starts."""
 
     def __init__(self, emit):
         self.emit, self.window = emit, window_steps(os.environ.get(contract.COMM_PROFILE_STEPS))
-        self.profiler, self.started = None, None
+        self.profiler, self.started, self.first, self.last = None, None, None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if (
@@ -68,9 +69,11 @@ class CommProfileCallback(TrainerCallback):
             or args.world_size <= 1
             or not state.is_world_process_zero
             or self.profiler is not None
-            or state.global_step + 1 != self.window[0]
+            or state.global_step + 1 < self.window[0]
         ):
             return
+        self.first = state.global_step + 1
+        self.last = self.first + self.window[1] - self.window[0]
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -80,7 +83,7 @@ class CommProfileCallback(TrainerCallback):
         self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.profiler is not None and self.started is not None and state.global_step >= self.window[1]:
+        if self.profiler is not None and self.started is not None and state.global_step >= self.last:
             self._finish(args, state)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -101,7 +104,7 @@ class CommProfileCallback(TrainerCallback):
         self.emit(
             state,
             event="comm",
-            first_step=self.window[0],
+            first_step=self.first,
             last_step=state.global_step,
             window_s=round(wall, 4),
             comm_s=round(comm, 4),
