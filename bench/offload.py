@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from seed_scenario import CAP_GIB, build_assets, catalog_spec, steady_state  # noqa: E402
+from seed_scenario import CAP_GIB, build_assets, catalog_spec, lfa, steady_state  # noqa: E402
 
 # label -> (model folder under ASSETS, lfa generate --pin arguments)
 RUNS = {
@@ -144,10 +144,8 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     if capped:
         env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
     profile = "h200-capped-32g" if capped else str(big_ram_profile(work))
-    gen = [
-        sys.executable,
-        "-m",
-        "lf_adapter.cli",
+    (out / f"{label}.gen.log").unlink(missing_ok=True)
+    lfa(
         "generate",
         "--task",
         "pseudo2norm",
@@ -169,9 +167,9 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
         "-o",
         str(folder),
         "--force",
-    ]
-    with open(out / f"{label}.gen.log", "wb") as log:
-        subprocess.call(gen, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        env=env,
+        log=out / f"{label}.gen.log",
+    )
     started = time.time()
     train = [
         sys.executable,

@@ -637,16 +637,14 @@ def visible_gpu_indices() -> list[int]:
     return list(range(lib.nvmlDeviceGetCount())) if lib is not None else []
 
 
-class GpuMemoryProbe:
+def gpu_used_gib() -> float | None:
     """Used memory of the visible GPUs through NVML (the largest, GiB), for the live progress line; None without
     a driver. Uses the process's one NVML session (nvml())."""
-
-    def used_gib(self) -> float | None:
-        lib = nvml()
-        handles = [h for h in (nvml_handle(i) for i in visible_gpu_indices()) if h is not None] if lib else []
-        if not handles:
-            return None
-        try:
-            return max(lib.nvmlDeviceGetMemoryInfo(h).used for h in handles) / 2**30
-        except Exception:
-            return None
+    lib = nvml()
+    handles = [h for h in (nvml_handle(i) for i in visible_gpu_indices()) if h is not None] if lib else []
+    if not handles:
+        return None
+    try:
+        return max(lib.nvmlDeviceGetMemoryInfo(h).used for h in handles) / 2**30
+    except Exception:
+        return None

@@ -32,36 +32,24 @@ def demo_assets(tmp_path_factory):
     return model, data
 
 
+def generate_demo_recipe(demo_assets, out, hardware, *args) -> Path:
+    """`lfa generate` for the demo's tiny model and data, 8 rows per step, on `hardware`, plus args; its train.yaml."""
+    model, data = demo_assets
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", hardware,
+                     "--set", "effective_batch_size=8", *args, "-o", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return out / "train.yaml"
+
+
 @pytest.fixture
 def cpu_recipe(tmp_path, demo_assets):
     """Generate a CPU recipe for the tiny model; returns a function so tests can add --set overrides."""
-    model, data = demo_assets
 
     def make(*sets, name="recipe", extra=()):
-        out = tmp_path / name
-        result = run_lfa(
-            "generate",
-            "--task",
-            "pseudo2norm",
-            "--model",
-            model,
-            "--dataset",
-            data,
-            "--hardware",
-            "cpu",
-            "--set",
-            "effective_batch_size=8",
-            "--set",
-            "learning_rate=1.0e-3",
-            "--set",
-            "cutoff_len=512",
-            *[x for s in sets for x in ("--set", s)],
-            *extra,
-            "-o",
-            out,
+        sets = ("learning_rate=1.0e-3", "cutoff_len=512", *sets)
+        return generate_demo_recipe(
+            demo_assets, tmp_path / name, "cpu", *[x for s in sets for x in ("--set", s)], *extra
         )
-        assert result.returncode == 0, result.stderr
-        return out / "train.yaml"
 
     return make
 

@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-from conftest import REPO, _events, _ledger, _start_train, _wait_for, run_lfa
+from conftest import REPO, _events, _ledger, _start_train, _wait_for, generate_demo_recipe, run_lfa
 
 
 def _free_port() -> int:
@@ -25,31 +25,8 @@ def _profile(tmp_path, **fields):
 
 
 def _generate(demo_assets, out, hardware, *extra):
-    model, data = demo_assets
-    result = run_lfa(
-        "generate",
-        "--task",
-        "pseudo2norm",
-        "--model",
-        model,
-        "--dataset",
-        data,
-        "--hardware",
-        hardware,
-        "--set",
-        "effective_batch_size=8",
-        "--set",
-        "cutoff_len=256",
-        "--set",
-        "learning_rate=1.0e-3",
-        "--set",
-        "max_steps=3",
-        *extra,
-        "-o",
-        out,
-    )
-    assert result.returncode == 0, result.stderr
-    return out / "train.yaml"
+    sets = ("cutoff_len=256", "learning_rate=1.0e-3", "max_steps=3")
+    return generate_demo_recipe(demo_assets, out, hardware, *[x for s in sets for x in ("--set", s)], *extra)
 
 
 def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_path):

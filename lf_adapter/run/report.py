@@ -87,6 +87,7 @@ class RunReport:
     output_dir: Path | None = None
     tensorboard_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
+    previous: RunReport | None = None  # the previous run of the same recipe (previous_run), read once by collect
 
     @property
     def attempts(self) -> list[AttemptRecord]:
@@ -213,9 +214,11 @@ def collect(run_dir: Path) -> RunReport:
             f"events.jsonl: {skipped} line(s) that are not events and {bad_steps} step event(s) "
             "without an integer step were left out of the plots",
         ]
-    return RunReport(
+    report = RunReport(
         ledger.name or run_dir.resolve().name, run_dir, ledger, state, series, diff, output_dir, tensorboard, notes
     )
+    report.previous = previous_run(report)
+    return report
 
 
 # ---------------------------------------------------------------- convergence
@@ -321,7 +324,7 @@ def headline(report: RunReport) -> dict:
     predicted = last.predicted if last else {}
     steps, values = loss_points(report)
     losses = list(zip(steps, values))
-    previous = previous_run(report)
+    previous = report.previous
     previous_losses = list(zip(*loss_points(previous))) if previous else []
     gpu = [v for v in (s.gpu_reserved_gib if s else []) if v is not None]
     host = [v for v in (s.host_rss_gib if s else []) if v is not None]
@@ -560,7 +563,7 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
                 ha="left",
                 va="top",
             )
-        previous = previous_run(report)
+        previous = report.previous
         if previous is not None and loss_points(previous)[0]:
             ax_loss.plot(
                 *loss_points(previous), color="grey", linestyle="--", linewidth=1, label=f"previous run {previous.name}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import UserError
 from ..data import dataset_problems
-from ..hardware import GpuMemoryProbe, HardwareProfile, installed_versions, nearest_existing
+from ..hardware import HardwareProfile, gpu_used_gib, installed_versions, nearest_existing
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import Plan
@@ -265,7 +265,7 @@ def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, 
     events.offset = events_path.stat().st_size if events_path.exists() else 0
     events_reader, state = LineReader(tail=20), {}
     reader = LineReader()
-    gpu_probe, probed_at = GpuMemoryProbe(), 0.0
+    probed_at = 0.0
     result = {"log": log_path.name, "first_step": None, "last_step": None, "live_stop": None}
     with log_path.open("ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
@@ -290,7 +290,7 @@ def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, 
             if changed and state.get("step"):  # the plugin's step event can precede trainer_log.jsonl's record
                 _note_step(result, state["step"], state.get("first_step"))
             if time.time() - probed_at > 2.0:
-                state["gpu_used_gib"], probed_at, changed = gpu_probe.used_gib(), time.time(), True
+                state["gpu_used_gib"], probed_at, changed = gpu_used_gib(), time.time(), True
             for record in watcher.poll():
                 step = record.get("current_steps")
                 if step is not None:
@@ -1028,7 +1028,8 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         if exc.errno != errno.ENOSPC:
             raise
         last = ledger.last
-        if last is not None and last.returncode == 0:  # the trainer had finished: only lfa's records are missing
+        finished = last is not None and last.returncode == 0  # the trainer had: only lfa's records are missing
+        if finished:
             message = (
                 f"training finished (the model is in {output_dir}), but the disk is full "
                 f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
@@ -1039,7 +1040,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
                 f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
                 "train again, it resumes from the newest complete checkpoint"
             )
-        ledger.status = "succeeded" if last is not None and last.returncode == 0 else "failed"
+        ledger.status = "succeeded" if finished else "failed"
         release_reserve(run_dir)  # the room held at the start: enough for the ledger
         try:
             save()
@@ -1048,7 +1049,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
         if interrupted["process"] is not None:
             stop_group(interrupted["process"], grace_s=5.0)
         reporter.event("error", f"lfa: {message}", kind="disk_full")
-        return 0 if ledger.status == "succeeded" else 1
+        return 0 if finished else 1
     except KeyboardInterrupt:
         ledger.status = "stopped"
         last = ledger.last
