@@ -20,10 +20,16 @@ Runs (pick with --only a,b):
   v100_golden     lfa's plan for a real V100 (compute-bound: mbs1, no checkpointing), run on the capped H200
   h200, h200_packing           lfa's plans for the whole H200 (uncapped): MFU
   h200_padfree, capped_padfree  the same with --pin padding_free=true (rows flattened, varlen attention, no padding)
+  capped_fixed, h200_fixed      the default with --no-token-budget (fixed micro-batches of N rows)
+  capped_padded, h200_padded    --no-padding-free --no-token-budget: the default plans of 2026-12-03 (sorted steps)
   h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the
                                                       h200 plan
 
-usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix]
+--repeats N alternates the seed's fix and the capped plan N times (seed_fix, capped, seed_fix#2, capped#2, ...);
+bench/summarize.py takes the median of their ratios. --profile runs each lfa plan's last step under the torch
+profiler (LFA_KERNEL_PROFILE): GPU time by kernel kind; that step is left out of the steady state.
+
+usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix] [--repeats 3] [--profile]
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ GENERATED = {
     "h200_packing": ("h200", ["--allow-packing"], [], False),
     "h200_padfree": ("h200", ["--pin", "padding_free=true"], [], False),
     "capped_padfree": ("h200-capped-32g", FP16 + ["--pin", "padding_free=true"], [], True),
+    "capped_fixed": ("h200-capped-32g", FP16 + ["--no-token-budget"], [], True),
+    "capped_padded": ("h200-capped-32g", FP16 + ["--no-padding-free", "--no-token-budget"], [], True),
+    "h200_fixed": ("h200", ["--no-token-budget"], [], False),
+    "h200_padded": ("h200", ["--no-padding-free", "--no-token-budget"], [], False),
     "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
     "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
@@ -117,17 +127,25 @@ def prepare_hand_recipe(name: str, work: Path, assets: Path, steps: int) -> Path
 
 
 def steady_state(events_file: Path) -> dict:
-    """Non-pad tokens/s over optimizer steps 2..N from the plugin's step events."""
+    """Non-pad tokens/s over optimizer steps 2..N from the plugin's step events (without a profiled window), and the
+    kernel profile when there is one."""
     if not events_file.exists():
         return {}
     events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
-    steps = [e for e in events if e.get("event") == "step" and e.get("step_tokens")]
+    profiles = [e for e in events if e.get("event") == "kernels"]
+    profiled = {s for p in profiles for s in range(p["first_step"], p["last_step"] + 1)}
+    steps = [
+        e for e in events if e.get("event") == "step" and e.get("step_tokens") and e["global_step"] not in profiled
+    ]
     begin = [e for e in events if e.get("event") == "train_begin"]
     row = {
         "sampler": begin[-1].get("sampler") if begin else None,
         "steps_measured": max(0, len(steps) - 1),
         "alloc_retries": steps[-1].get("alloc_retries") if steps else None,
+        "micro_batches_per_step": [e.get("micro_batches") for e in steps],
     }
+    if profiles:
+        row["kernel_profile"] = profiles[-1]
     if len(steps) > 1:
         tokens, seconds = sum(s["step_tokens"] for s in steps[1:]), sum(s["step_time_s"] for s in steps[1:])
         row.update(
@@ -189,16 +207,16 @@ def run_original(work: Path, assets: Path, out: Path, env: dict, spec) -> dict:
     return row
 
 
-def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: int) -> dict:
+def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: int, key: str = "seed_fix") -> dict:
     recipe = prepare_hand_recipe("seed_fix", work, assets, steps)
-    events = work / "seed_fix.events.jsonl"
+    events = work / f"{key}.events.jsonl"
     boot = str(REPO / "lf_adapter" / "plugin" / "boot")
     run_env = {
         **env,
         "LFA_EVENTS_FILE": str(events),
         "PYTHONPATH": os.pathsep.join(filter(None, [boot, str(REPO), env.get("PYTHONPATH")])),
     }
-    log = out / "seed_fix.log"
+    log = out / f"{key}.log"
     with open(log, "wb") as fh:
         subprocess.call(
             ["llamafactory-cli", "train", "train.yaml"],
@@ -211,10 +229,22 @@ def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: in
 
 
 def run_generated(
-    label: str, work: Path, assets: Path, out: Path, env: dict, spec, steps: int, model_dir: str = "model"
+    label: str,
+    work: Path,
+    assets: Path,
+    out: Path,
+    env: dict,
+    spec,
+    steps: int,
+    model_dir: str = "model",
+    key: str | None = None,
+    kernel_profile: bool = False,
 ) -> dict:
     profile, gen_args, train_sets, _ = GENERATED[label]
-    folder, run_dir = work / label, work / "runs" / label
+    key = key or label
+    if kernel_profile:  # the last step, left out of the steady state
+        env = {**env, "LFA_KERNEL_PROFILE": "1", "LFA_COMM_PROFILE_STEPS": f"{steps}-{steps}"}
+    folder, run_dir = work / key, work / "runs" / key
     lfa(
         "generate",
         "--task",
@@ -237,7 +267,7 @@ def run_generated(
         "-o",
         str(folder),
         "--force",
-        log=out / f"{label}.gen.log",
+        log=out / f"{key}.gen.log",
     )
     started = time.time()
     rc = lfa(
@@ -249,7 +279,7 @@ def run_generated(
         "2",
         *[x for s in train_sets for x in ("--set", s)],
         env=env,
-        log=out / f"{label}.log",
+        log=out / f"{key}.log",
     )
     ledger = json.loads((run_dir / "ledger.json").read_text())
     attempts = ledger["attempts"]
@@ -268,7 +298,7 @@ def run_generated(
     if attempts[0].get("failure"):
         row["first_failure"] = attempts[0]["failure"]["kind"]
     for i, attempt in enumerate(attempts, 1):  # the trainer's own output, for failures
-        shutil.copy(run_dir / attempt["log"], out / f"{label}-attempt-{i}.log")
+        shutil.copy(run_dir / attempt["log"], out / f"{key}-attempt-{i}.log")
     row.update(
         measure(
             folder / "train.yaml",
@@ -299,6 +329,12 @@ def print_table(table: dict) -> None:
             f"{ratio:>6s} {mfu:>6s} "
             f"{row.get('lf_effective_tokens_per_s_incl_warmup') or 0:12,.0f}"
         )
+    for label, row in table.items():  # where the GPU time of the profiled step went
+        p = row.get("kernel_profile")
+        if p:
+            kinds = ", ".join(f"{k} {v / p['window_s']:.1%}" for k, v in p["kinds_s"].items())
+            idle = p["gpu_idle_s"] / p["window_s"]
+            print(f"profile {label}: step {p['last_step']} {p['window_s']:.2f} s, GPU idle {idle:.1%}; {kinds}")
 
 
 def main() -> None:
@@ -308,6 +344,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of 64 rows per lfa run")
     parser.add_argument("--seed-steps", type=int, default=10, help="steps of 16 rows for the seed fix")
     parser.add_argument("--only", default="")
+    parser.add_argument("--repeats", type=int, default=1, help="alternate seed_fix and capped this many times")
+    parser.add_argument("--profile", action="store_true", help="kernel profile of each lfa plan's last step")
     parser.add_argument(
         "--model-dir",
         default="model",
@@ -324,19 +362,27 @@ def main() -> None:
     capped_env = {**base_env, "LFA_EMULATE_VRAM_GIB": str(CAP_GIB)}
     order = ["original", "seed_fix", *GENERATED]
     wanted = [name for name in args.only.split(",") if name in order] if args.only else order
+    if args.repeats > 1:  # seed_fix, capped, seed_fix#2, capped#2, ...: the pair alternates, the rest follows
+        pair = [name for name in ("seed_fix", "capped") if name in wanted]
+        rest = [name for name in wanted if name not in pair]
+        wanted = [f"{name}#{i}" if i > 1 else name for i in range(1, args.repeats + 1) for name in pair] + rest
     results_file = args.out / "seed_scenario.json"
     table = json.loads(results_file.read_text()) if results_file.exists() else {}
     suffix = "" if args.model_dir == "model" else "_" + args.model_dir.removeprefix("model_")  # h200 -> h200_6.7b
-    for name in wanted:
+    for entry in wanted:
         started = time.time()
+        name = entry.split("#")[0]
         if name == "original":  # the seed's own recipes always train assets/model
             key, table[name] = name, run_original(work, args.assets, args.out, capped_env, spec)
         elif name == "seed_fix":
-            key, table[name] = name, run_seed_fix(work, args.assets, args.out, capped_env, spec, args.seed_steps)
+            key = entry
+            table[key] = run_seed_fix(work, args.assets, args.out, capped_env, spec, args.seed_steps, key)
         else:
             env = capped_env if GENERATED[name][3] else base_env
-            key = name + suffix
-            table[key] = run_generated(name, work, args.assets, args.out, env, spec, args.steps, args.model_dir)
+            key = name + suffix + entry[len(name) :]
+            table[key] = run_generated(
+                name, work, args.assets, args.out, env, spec, args.steps, args.model_dir, key, args.profile
+            )
         print(
             f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}", flush=True
         )

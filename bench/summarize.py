@@ -1,70 +1,97 @@
-"""The headline numbers of one H200 run: capped plan vs the seed's fix (same run), MFU of the 1.3B and 6.7B default
-plans, and whether every default plan is exact (no packing). Writes bench/results/summary.json.
+"""The headline figures: capped plan vs the seed's fix, MFU of the 1.3B and 6.7B default h200 plans, and whether the
+default plans are exact (no packing). Writes bench/results/summary.json.
 
-usage: python bench/summarize.py [RUN]   (a results folder holding seed_scenario.json, or one run's JSON such as
-results/h200_session9/runD.json; default: the newest bench/results/h200_session*/seed_scenario.json); ratios are
-only ever taken between rows of that one run. Figures a run did not measure are null, never borrowed from another
-run.
+usage: python bench/summarize.py [RUN ...]   (results folders holding seed_scenario.json, or runs' JSON files;
+default: every bench/results/h200_session*/**/seed*.json). Each figure comes from the newest run that measured it (session
+number, then path) and names that run. The ratio to the seed's fix is only taken within one run: the median over its
+alternated repeats (seed_fix, capped, seed_fix#2, capped#2, ...; bench/seed_scenario.py --repeats), with the count.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # row labels of bench/seed_scenario.py; "v100" is what runs A-D of session 9 called the capped plan
 CAPPED = ("capped", "v100")
-H200_13B = ("h200",)
-H200_67B = ("h200_6.7b",)
+H200_13B = "h200"
+H200_67B = "h200_6.7b"
+DEFAULT_ROWS = (*CAPPED, H200_13B, H200_67B)
 
 
-def newest_run() -> Path:
-    runs = [p.parent for p in RESULTS.glob("h200_session*/seed_scenario.json")]
-    runs += [p.parent for p in RESULTS.glob("h200_session*/**/seed_scenario.json")]
-    if not runs:
-        raise SystemExit("no bench/results/h200_session*/seed_scenario.json: run bench/device_run.sh seed first")
-    return max(
-        runs, key=lambda p: (int(p.name.split("session")[-1]) if p.name.split("session")[-1].isdigit() else -1, str(p))
-    )
+def run_files(paths: list[Path] | None = None) -> list[Path]:
+    """Results files, oldest first (session number, then path)."""
+    if paths:
+        files = [p / "seed_scenario.json" if p.is_dir() else p for p in paths]
+    else:
+        files = sorted(RESULTS.glob("h200_session*/**/seed*.json"))  # seed_scenario.py tables, some renamed
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise SystemExit(f"not a run's JSON or a folder holding seed_scenario.json: {', '.join(missing)}")
+
+    def session(path: Path) -> tuple[int, str]:
+        match = re.search(r"session(\d+)", str(path))
+        return (int(match[1]) if match else -1, str(path))
+
+    return sorted(files, key=session)
 
 
-def _first(rows: dict, labels: tuple[str, ...]) -> dict | None:
-    return next((rows[label] for label in labels if label in rows), None)
+def repeat_ratios(rows: dict) -> list[float]:
+    """capped / seed_fix of each alternated pair in one run (repeat i pairs seed_fix#i with capped#i)."""
+    ratios = []
+    for suffix in [""] + [f"#{i}" for i in range(2, 100)]:
+        seed = rows.get("seed_fix" + suffix)
+        capped = next((rows[c + suffix] for c in CAPPED if c + suffix in rows), None)
+        if seed is None or capped is None:
+            if suffix:
+                break
+            continue
+        if seed.get("steady_tokens_per_s") and capped.get("steady_tokens_per_s"):
+            ratios.append(capped["steady_tokens_per_s"] / seed["steady_tokens_per_s"])
+    return ratios
 
 
-def summarize(run: Path) -> dict:
-    rows = json.loads((run if run.is_file() else run / "seed_scenario.json").read_text())
-    seed, capped = rows.get("seed_fix"), _first(rows, CAPPED)
-    h13, h67 = _first(rows, H200_13B), _first(rows, H200_67B)
-    defaults = [r for label, r in rows.items() if label in CAPPED + H200_13B + H200_67B]
+def figures_of(rows: dict) -> dict:
+    """The figures one run measured (absent when it did not)."""
+    out = {}
+    ratios = repeat_ratios(rows)
+    if ratios:
+        out["capped_x_seed_fix"] = {
+            "value": round(statistics.median(ratios), 2),
+            "repeats": [round(r, 2) for r in ratios],
+        }
+    for figure, label in (("h200_1.3b_mfu", H200_13B), ("h200_6.7b_mfu", H200_67B)):
+        if rows.get(label, {}).get("mfu"):
+            out[figure] = {"value": rows[label]["mfu"], "plan": rows[label].get("plan")}
+    defaults = [r for label, r in rows.items() if label.split("#")[0] in DEFAULT_ROWS and r.get("plan")]
+    if defaults:
+        out["default_plans_exact"] = {"value": all("packing" not in str(r["plan"]) for r in defaults)}
+    return out
 
-    def x_seed(row: dict | None) -> float | None:
-        if seed and row and seed.get("steady_tokens_per_s") and row.get("steady_tokens_per_s"):
-            return round(row["steady_tokens_per_s"] / seed["steady_tokens_per_s"], 2)
-        return None
 
-    return {
-        "capped_x_seed_fix": x_seed(capped),
-        "capped_padfree_x_seed_fix": x_seed(rows.get("capped_padfree")),  # --pin padding_free=true
-        "h200_1.3b_mfu": h13.get("mfu") if h13 else None,
-        "h200_6.7b_mfu": h67.get("mfu") if h67 else None,
-        "default_plans_exact": bool(defaults) and all("packing" not in str(r.get("plan", "")) for r in defaults),
-        "run": str(run.relative_to(RESULTS.parent.parent)),
-    }
+def summarize(files: list[Path]) -> dict:
+    summary = {}
+    for path in files:  # oldest first: a newer run's figure replaces an older one
+        for figure, entry in figures_of(json.loads(path.read_text())).items():
+            summary[figure] = {**entry, "run": str(path.relative_to(RESULTS.parent.parent))}
+    return summary
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
         raise SystemExit(__doc__)
-    run = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else newest_run()
-    if not (run.is_file() or (run / "seed_scenario.json").is_file()):
-        raise SystemExit(f"{sys.argv[1]}: neither a run's JSON nor a folder holding seed_scenario.json")
-    summary = summarize(run)
-    print(f"{'figure':22s} value")
-    for key, value in summary.items():
-        print(f"{key:22s} {value}")
+    files = run_files([Path(a).resolve() for a in sys.argv[1:]])
+    if not files:
+        raise SystemExit("no bench/results/h200_session*/seed_scenario.json: run bench/device_run.sh seed first")
+    summary = summarize(files)
+    print(f"{'figure':20s} {'value':>7s}  run")
+    for figure, entry in summary.items():
+        extra = f" (median of {entry['repeats']})" if "repeats" in entry else ""
+        print(f"{figure:20s} {entry['value']!s:>7s}  {entry['run']}{extra}")
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS / 'summary.json'}")
 

@@ -218,7 +218,8 @@ def _print_host(host) -> None:
     help="Fix a plan field the planner would choose: micro_batch_size, gradient_checkpointing, liger, "
     "attention, deepspeed (zero2|zero3|none), sharding (none|ddp|zero1|zero2|zero3|fsdp2), offload "
     "(none|optimizer|all|nvme-optimizer|nvme-all), optimizer (adamw|adamw_8bit|badam: changes what is "
-    "trained), padding_free, alloc_conf.",
+    "trained), padding_free, token_budget (tokens per micro-batch, 0: fixed micro-batches), checkpoint_layers "
+    "(the first k decoder layers recompute, the rest keep activations), alloc_conf.",
 )
 @click.option(
     "--allow-optimizer-change",
@@ -243,6 +244,18 @@ def _print_host(host) -> None:
     "--no-sorted-steps",
     is_flag=True,
     help="Keep random micro-batches (default: sort each step's rows by length into micro-batches).",
+)
+@click.option(
+    "--no-padding-free",
+    is_flag=True,
+    help="Pad every micro-batch (default on sm80+ GPUs: rows flattened into one sequence, attention kept per row; "
+    "exact, no compute on padding).",
+)
+@click.option(
+    "--no-token-budget",
+    is_flag=True,
+    help="Fixed micro-batches of N rows (default on GPU plans without DeepSpeed: each step's rows cut into "
+    "micro-batches by a token budget sized from memory).",
 )
 @click.option(
     "--set",
@@ -289,6 +302,8 @@ def generate(
     launcher,
     llamafactory_version,
     no_sorted_steps,
+    no_padding_free,
+    no_token_budget,
     sets,
     effective_batch,
     save_steps,
@@ -334,6 +349,8 @@ def generate(
         + (["--precision", precision] if precision else [])
         + (["--allow-packing"] if allow_packing else [])
         + (["--no-sorted-steps"] if no_sorted_steps else [])
+        + (["--no-padding-free"] if no_padding_free else [])
+        + (["--no-token-budget"] if no_token_budget else [])
         + [x for s in pins for x in ("--pin", s)]
         + (["--allow-optimizer-change"] if allow_optimizer_change else [])
         + (["--nvme-path", nvme_path] if nvme_path else [])
@@ -353,6 +370,8 @@ def generate(
         allow_packing=allow_packing,
         precision=precision,
         sort_steps=not no_sorted_steps,
+        padding_free=not no_padding_free,
+        token_budget=not no_token_budget,
         pins=tuple(pins),
         launcher=launcher,
         llamafactory_version=llamafactory_version,

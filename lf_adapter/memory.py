@@ -100,7 +100,7 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
         states["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] = (2.0 + 2 * 4.0 / BNB_BLOCK) * p
     else:
         states["optimizer (Adam m, v fp32)"] = 8.0 * p
-    if plan.precision in ("bf16", "fp16") and plan.grad_accum > 1:
+    if plan.precision in ("bf16", "fp16") and plan.accumulates:
         states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
     return states
 
@@ -151,10 +151,15 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
     return states, offloaded
 
 
+def micro_batch_tokens(plan: Plan, seq_len: int) -> int:
+    """The most tokens one micro-batch holds: its token budget, else micro_batch_size rows of cutoff_len."""
+    return plan.token_budget or plan.micro_batch_size * seq_len
+
+
 def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
     c = coefficients()
     act = c["activation"]
-    tokens = plan.micro_batch_size * seq_len
+    tokens = micro_batch_tokens(plan, seq_len)
     h, L = model.hidden_size, model.num_layers
     # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
     # (FSDP2's mixed precision also computes with 16-bit parameters)
@@ -188,14 +193,22 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
             ] = 2.0 * model.params_per_layer * graph_layers
         return items
     if plan.gradient_checkpointing:
-        factor = act["accumulation_factor"] if plan.grad_accum > 1 else 1.0
-        stored = factor * tokens * (act["checkpoint_bytes_per_hidden"] * L * h)
+        factor = act["accumulation_factor"] if plan.accumulates else 1.0
+        k = plan.checkpointed_layers(L)
         loss = (
             tokens
             * model.vocab_size
             * (act["checkpoint_bytes_per_vocab"] * factor if plan.liger else c["logits"]["bytes_per_element"])
         )
-        return {"activations (checkpointed layer inputs)": stored, "logits + loss": loss}
+        items = {
+            (
+                "activations (checkpointed layer inputs)" if k == L else f"activations ({k} of {L} layers checkpointed)"
+            ): (factor * tokens * act["checkpoint_bytes_per_hidden"] * k * h),
+            "logits + loss": loss,
+        }
+        if k < L:  # the other layers keep their whole forward graph (interpolated between the measured ends)
+            items[f"activations ({L - k} layers not checkpointed)"] = per_token_layer * (L - k) * tokens
+        return items
     return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 
 
@@ -213,7 +226,7 @@ def estimate(
     states, offloaded = _model_states(model, plan)
     activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
     floor = sum(states.values()) if plan.deepspeed is None and plan.sharding != Sharding.FSDP2 else 0.0
-    if plan.grad_accum == 1 and not plan.gradient_checkpointing and "gradients (fp32)" in states:
+    if not plan.accumulates and not plan.gradient_checkpointing and "gradients (fp32)" in states:
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
         states["gradients (fp32)"] *= 0.5
@@ -224,7 +237,7 @@ def estimate(
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
         # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
-        logits_fp32 = 0.0 if plan.liger else 4.0 * plan.micro_batch_size * seq_len * model.vocab_size / GIB
+        logits_fp32 = 0.0 if plan.liger else 4.0 * micro_batch_tokens(plan, seq_len) * model.vocab_size / GIB
         reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * logits_fp32
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(

@@ -44,6 +44,13 @@ class Plan:
     packing: bool = False
     padding_free: bool = False  # each micro-batch's rows flattened, attention per row (lfa plugin, LFA_PADDING_FREE)
     sorted_steps: bool = False  # micro-batches sorted by length inside each optimizer step (lfa plugin)
+    # token-budget micro-batches (lfa plugin, LFA_TOKEN_BUDGET): each optimizer step's rows are cut into micro-batches
+    # of at most this many tokens instead of micro_batch_size rows; 0: fixed micro-batches. micro_batch_size x
+    # grad_accum stay the recipe's keys (the fixed plan LLaMA-Factory runs without the plugin, never larger)
+    token_budget: int = 0
+    # with gradient checkpointing: how many decoder layers are checkpointed, the first k of L (lfa plugin,
+    # LFA_CHECKPOINT_LAYERS); None: all of them (LLaMA-Factory's own setting, what runs without the plugin)
+    checkpoint_layers: int | None = None
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)
     reasons: dict = field(default_factory=dict, compare=False, hash=False)
@@ -55,6 +62,23 @@ class Plan:
         object.__setattr__(self, "sharding", normalized_sharding(self.sharding, self.world_size))
         object.__setattr__(self, "offload", Offload.parse(self.offload, "offload"))
         object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer, "optimizer"))
+        if self.token_budget < 0:
+            raise ValueError(f"token_budget {self.token_budget}: use 0 (off) or a number of tokens")
+        if self.checkpoint_layers is not None and (not self.gradient_checkpointing or self.checkpoint_layers < 1):
+            raise ValueError(
+                f"checkpoint_layers {self.checkpoint_layers}: needs gradient checkpointing and at least one layer"
+            )
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """Decoder layers whose forward is recomputed in the backward (0 without checkpointing)."""
+        if not self.gradient_checkpointing:
+            return 0
+        return num_layers if self.checkpoint_layers is None else min(self.checkpoint_layers, num_layers)
+
+    @property
+    def accumulates(self) -> bool:
+        """Several micro-batches per optimizer step (token budgets may cut a step into several)."""
+        return self.grad_accum > 1 or self.token_budget > 0
 
     @property
     def deepspeed(self) -> str | None:
@@ -117,7 +141,8 @@ class Plan:
 
     @classmethod
     def from_label(cls, label: str, **fields) -> Plan:
-        """Read back label()'s fields: 'bf16/mbs16xga4x1/nogc/sdpa/zero3-offload-all/sorted' (bench tables)."""
+        """Read back label()'s fields: 'bf16/mbs16xga4x1/gc20/sdpa/zero3-offload-all/padfree/tb24576' (bench
+        tables)."""
         parts = label.split("/")
         mbs, rest = parts[1][len("mbs") :].split("xga")
         ga, world = rest.split("x")
@@ -131,7 +156,9 @@ class Plan:
             micro_batch_size=int(mbs),
             grad_accum=int(ga),
             world_size=int(world),
-            gradient_checkpointing=parts[2] == "gc",
+            gradient_checkpointing=parts[2].startswith("gc"),
+            checkpoint_layers=int(parts[2][2:]) if parts[2][2:].isdigit() else None,
+            token_budget=next((int(p[2:]) for p in parts if p.startswith("tb") and p[2:].isdigit()), 0),
             liger="liger" in parts,
             attention=attention,
             sharding=sharding or "none",
@@ -147,7 +174,9 @@ class Plan:
         parts = [
             self.precision,
             f"mbs{self.micro_batch_size}xga{self.grad_accum}x{self.world_size}",
-            "gc" if self.gradient_checkpointing else "nogc",
+            ("gc" if self.checkpoint_layers is None else f"gc{self.checkpoint_layers}")
+            if self.gradient_checkpointing
+            else "nogc",
         ]
         if self.liger:
             parts.append("liger")
@@ -162,6 +191,8 @@ class Plan:
             parts.append("padfree")
         if self.sorted_steps:
             parts.append("sorted")
+        if self.token_budget:
+            parts.append(f"tb{self.token_budget}")
         if self.launcher == "ray":
             parts.append("ray")
         return "/".join(parts)

@@ -36,6 +36,8 @@ class PlanOptions:
     flash_attn_available: bool = False
     headroom: float = DEFAULT_HEADROOM
     sort_steps: bool = True  # length-sorted micro-batches inside each step (no change to what a step trains on)
+    padding_free: bool = True  # rows flattened where the exact varlen kernel exists (sm80+); --no-padding-free
+    token_budget: bool = True  # micro-batches cut by a token budget (GPU plans without DeepSpeed); --no-token-budget
     mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
     # recovery after an OOM (remedies.replan_after_oom): what the log showed
@@ -114,12 +116,38 @@ def _divisors_pow2(effective_batch: int, world: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_gpu and per_gpu % m == 0]
 
 
+# token budgets priced, in rows of cutoff_len: between the powers of two as well, so the budget can follow memory
+BUDGET_ROWS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def padding_free_exact_here(hardware: HardwareProfile) -> bool:
+    """Padding-free runs on torch's varlen flash attention, which needs sm80+; elsewhere the plugin would fall back
+    to one attention call per row (exact, slow), so lfa plans padded there."""
+    return hardware.has_gpu and hardware.gpu.cc >= (8, 0)
+
+
+def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: bool, pinned_budget: int | None):
+    """(micro_batch_size, token_budget) pairs to price: fixed micro-batches of every power-of-two size, and token
+    budgets of BUDGET_ROWS x cutoff_len; a budget's micro_batch_size is the largest fixed size within it (what
+    runs without lfa's plugin: never more memory)."""
+    sizes = _divisors_pow2(effective_batch, world)
+    per_gpu = effective_batch // world
+    shapes = [(m, 0) for m in sizes]
+    tokens = [pinned_budget] if pinned_budget else [int(r * seq_len) for r in BUDGET_ROWS if r <= per_gpu]
+    if budgets or pinned_budget:
+        for budget in tokens:
+            within = [m for m in sizes if m * seq_len <= budget] or [1]
+            shapes.append((max(within), budget))
+    return shapes
+
+
 def candidate_plans(
     model: ModelSpec,
     hardware: HardwareProfile,
     effective_batch: int,
     options: PlanOptions,
     forbidden: set[str] | None = None,
+    seq_len: int = 2048,
 ):
     """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
     pins are added to `forbidden` (their why), for the message when nothing is left."""
@@ -136,8 +164,13 @@ def candidate_plans(
         ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     )
     packing = [True, False] if options.allow_packing else [False]
-    # padding-free only when pinned until its speed is measured on a GPU (bench/README.md)
-    padding_free = [True] if options.fixed.get("padding_free") else [False]
+    padding_free = (
+        [bool(options.fixed["padding_free"])]
+        if "padding_free" in options.fixed
+        else [True, False]
+        if options.padding_free and padding_free_exact_here(hardware)
+        else [False]
+    )
     z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
     optimizer_offload, all_offload = Offload.OPTIMIZER.value, Offload.ALL.value
     if options.fixed.get("sharding") == Sharding.FSDP2:  # only when pinned: FSDP2's speed is not measured yet
@@ -160,12 +193,20 @@ def candidate_plans(
         **options.fixed,
         **({"sharding": normalized_sharding(options.fixed["sharding"], world)} if "sharding" in options.fixed else {}),
     }
-    for mbs, gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
-        _divisors_pow2(effective_batch, world), [False, True], liger, attention, ds, packing, padding_free, optimizers
+    pinned_budget = options.fixed.get("token_budget")
+    shapes = micro_batch_shapes(
+        effective_batch, world, seq_len, options.token_budget and not on_cpu, int(pinned_budget or 0) or None
+    )
+    for (mbs, budget), gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
+        shapes, [False, True], liger, attention, ds, packing, padding_free, optimizers
     ):
+        if budget and (stage is not None or pack or optimizer == Optimizer.BADAM) and not pinned_budget:
+            continue  # DeepSpeed owns accumulation; packed rows fill cutoff_len already; BAdam switches per step
         plan = Plan(
             precision=precision,
             micro_batch_size=mbs,
+            token_budget=budget,
+            checkpoint_layers=options.fixed.get("checkpoint_layers") if gc else None,
             grad_accum=effective_batch // (mbs * world),
             world_size=world,
             nodes=hardware.nodes,
@@ -177,7 +218,8 @@ def candidate_plans(
             offload=offload,
             packing=pack,
             padding_free=pf,
-            sorted_steps=options.sort_steps and mbs > 1 and not pack and not pf,
+            # sorted steps keep their use where padding-free falls back to padding at run time (bench/README.md)
+            sorted_steps=options.sort_steps and mbs > 1 and not pack and not budget,
             alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
             launcher=options.launcher,
             optimizer=optimizer,
@@ -190,6 +232,32 @@ def candidate_plans(
                 forbidden.update(f"{c.rule}: {c.why}" for c in broken)
             continue
         yield plan
+
+
+def _recompute_sized_to_memory(model, c: Candidate, hardware, options: PlanOptions, price) -> Candidate | None:
+    """A fitting plan that checkpoints every layer, narrowed to the fewest first layers whose recompute the memory
+    still needs (memory grows as fewer layers are checkpointed, so a bisection finds it); None when it cannot be
+    narrowed: all layers are needed, no GPU, BAdam (LLaMA-Factory checkpoints its own way), or pinned."""
+    p = c.plan
+    if (
+        not c.fits
+        or not p.gradient_checkpointing
+        or p.checkpoint_layers is not None
+        or "checkpoint_layers" in options.fixed
+        or not hardware.has_gpu
+        or p.optimizer == Optimizer.BADAM
+    ):
+        return None
+    below = options.below_reserved_gib
+    best, low, high = None, 1, model.num_layers - 1
+    while low <= high:
+        k = (low + high) // 2
+        narrowed = price(p.replace(checkpoint_layers=k))
+        if narrowed.fits and (below is None or narrowed.memory.reserved_gib < below):
+            best, high = narrowed, k - 1
+        else:
+            low = k + 1
+    return best
 
 
 NEAR_TIE = 0.05  # predictions closer than this are within the throughput model's error (bench/README.md)
@@ -262,30 +330,36 @@ def plan(
     else:
         vram = hardware.ram_gib or None  # on CPU, host RAM
     seen, candidates, forbidden = set(), [], set()
-    for p in candidate_plans(model, hardware, effective_batch, options, forbidden):
+
+    def price(p: Plan) -> Candidate:
+        return _price(
+            model,
+            p,
+            hardware,
+            seq_len,
+            options.mean_seq_fraction,
+            vram,
+            options.headroom,
+            options.activation_scale,
+            options.ram_gib,
+        )
+
+    below = options.below_reserved_gib
+    for p in candidate_plans(model, hardware, effective_batch, options, forbidden, seq_len):
         if p in seen:
             continue
         seen.add(p)
-        candidates.append(
-            _price(
-                model,
-                p,
-                hardware,
-                seq_len,
-                options.mean_seq_fraction,
-                vram,
-                options.headroom,
-                options.activation_scale,
-                options.ram_gib,
-            )
-        )
+        candidates.append(price(p))
+        fewer = _recompute_sized_to_memory(model, candidates[-1], hardware, options, price)
+        if fewer is not None and fewer.plan not in seen:
+            seen.add(fewer.plan)
+            candidates.append(fewer)
     if not candidates:
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
         raise UserError(
             f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})"
             + "".join(f"; {why}" for why in sorted(forbidden))
         )
-    below = options.below_reserved_gib
     allowed = allowed_optimizers(options)
     fitting = [
         c
@@ -550,6 +624,31 @@ OPTIMIZER_REASONS = {
 }
 
 
+def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions) -> str:
+    if p.padding_free:
+        return (
+            ("on (pinned)" if options.fixed.get("padding_free") else "on")
+            + ": each micro-batch's rows are flattened into one sequence with position ids restarting per row and "
+            "attention limited to each row (torch's varlen flash attention), so no compute goes to padding and "
+            "the step trains on exactly the same rows and tokens; where that kernel is missing at run time "
+            "(torch < 2.10) the plugin trains padded and says so"
+        )
+    if "padding_free" in options.fixed:
+        return "off (pinned)"
+    if not options.padding_free:
+        return "off: --no-padding-free"
+    if p.packing:
+        return "off: packed rows have no padding"
+    if not hardware.has_gpu:
+        return "off: no GPU (the CPU path is one attention call per row, slower than padding)"
+    if not padding_free_exact_here(hardware):
+        return (
+            f"off: {hardware.gpu.name} is sm{hardware.gpu.cc[0]}{hardware.gpu.cc[1]}, and torch's varlen flash "
+            "attention needs sm80+ (the fallback, one attention call per row, is slower than padding)"
+        )
+    return "off: padded plans were faster or the only ones that fit"
+
+
 def explain(
     c: Candidate, model: ModelSpec, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]
 ) -> Plan:
@@ -620,12 +719,28 @@ def explain(
                 else "none: DDP, every GPU holds the model state"
             )
         ),
-        "padding_free": (
-            "on (pinned): each micro-batch's rows are flattened into one sequence with position ids "
-            "restarting per row and attention limited to each row, so no compute goes to padding and "
-            "the step trains on exactly the same rows and tokens; speed not measured yet"
-            if p.padding_free
+        "padding_free": padding_free_reason(p, hardware, options),
+        "token_budget": (
+            f"each optimizer step's {p.micro_batch_size * p.grad_accum} rows per GPU are cut, longest first, into "
+            f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many, "
+            f"{p.token_budget / max(1, p.micro_batch_size):,.0f} per row of the fixed plan), as many as the step's "
+            "tokens need; the loss is normalized by the step's token count, so the gradient is the padded step's. "
+            f"Without lfa's plugin LLaMA-Factory runs the fixed {p.micro_batch_size} x {p.grad_accum} above, "
+            "which needs no more memory"
+            if p.token_budget
             else "off"
+        ),
+        "recompute": (
+            f"the first {p.checkpoint_layers} of {model.num_layers} decoder layers are checkpointed (their "
+            "forward runs again in the backward), the other "
+            f"{model.num_layers - p.checkpoint_layers} keep their activations: the fewest checkpointed layers "
+            "this memory allows"
+            + (" (pinned)" if "checkpoint_layers" in options.fixed else "")
+            + "; without lfa's plugin every layer is checkpointed"
+            if p.checkpoint_layers
+            else "every layer"
+            if p.gradient_checkpointing
+            else "none"
         ),
         "packing": (
             "on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
@@ -643,6 +758,8 @@ def explain(
             + (
                 "packed rows have no padding"
                 if p.packing
+                else "token-budget micro-batches sort each step's rows themselves"
+                if p.token_budget
                 else "one row per micro-batch has no padding"
                 if p.micro_batch_size == 1
                 else "disabled with --no-sorted-steps"

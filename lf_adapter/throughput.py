@@ -19,28 +19,29 @@ def predict_tokens_per_s(
     t = coefficients()["throughput"]
     fill = 0.98 if plan.packing else mean_seq_fraction
     # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
-    # the step's rows were sorted by length so that each micro-batch holds rows of similar length
-    if plan.packing or plan.micro_batch_size == 1 or plan.padding_free:
+    # the step's rows were sorted by length so that each micro-batch holds rows of similar length (token budgets
+    # group them longest first too)
+    if plan.packing or plan.micro_batch_size == 1 and not plan.token_budget or plan.padding_free:
         padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction  # padding-free: no padding at all
-    elif plan.sorted_steps:
+    elif plan.sorted_steps or plan.token_budget:
         padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
     else:
         padded_len = seq_len
-    real_tokens = plan.micro_batch_size * seq_len * fill
+    rows = plan.micro_batch_size * plan.grad_accum  # one optimizer step's rows on one process
+    micro_batches = micro_batches_per_step(plan, seq_len, padded_len)
+    real_tokens = rows * seq_len * fill / micro_batches  # per micro-batch, on average
     badam = plan.optimizer == Optimizer.BADAM
-    flops = plan.micro_batch_size * padded_len * model.flops_per_token(seq_len, weight_gradients=not badam)
+    flops = rows * padded_len / micro_batches * model.flops_per_token(seq_len, weight_gradients=not badam)
     # BAdam: LLaMA-Factory recomputes only the trainable layer (memory.badam_graph_layers), so no recompute is priced
-    recompute = plan.gradient_checkpointing and not badam
-    if recompute:
-        flops *= 4.0 / 3.0  # one more forward pass per layer
+    recomputed = 0.0 if badam else plan.checkpointed_layers(model.num_layers) / model.num_layers
+    flops *= 1.0 + recomputed / 3.0  # one more forward pass per checkpointed layer
     if not hardware.has_gpu:
         return real_tokens / (flops / t["cpu_flops"])
     gpu = hardware.gpu
     rate = gpu.peak_tflops_16bit * 1e12 * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
     if not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
         rate *= t["variable_shape_efficiency"]
-    if recompute:
-        rate *= t["checkpointing_gpu_efficiency"]
+    rate *= 1.0 - (1.0 - t["checkpointing_gpu_efficiency"]) * recomputed
     if not plan.liger and plan.precision != "fp32":
         rate *= t["no_liger_gpu_efficiency"]
     # wider layers: larger GEMMs, and the memory-bound elementwise work shrinks relative to the matmuls (the rates
@@ -50,7 +51,7 @@ def predict_tokens_per_s(
         gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
     )
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
-    cpu_s = t["launch_s_per_layer"] * model.num_layers * (t["checkpointing_launch_factor"] if recompute else 1.0)
+    cpu_s = t["launch_s_per_layer"] * model.num_layers * (1.0 + (t["checkpointing_launch_factor"] - 1.0) * recomputed)
     zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
     if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather
         # FSDP2 uses ZeRO-3's measured hook cost until it is measured itself (speed_basis says so)
@@ -61,7 +62,7 @@ def predict_tokens_per_s(
         zero3_fetch_s += 2 * 2.0 * model.num_params / host_link_bytes_per_s(hardware)
     elif plan.shards_parameters and plan.world_size > 1:
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
-    step_s = plan.grad_accum * (max(cpu_s, gpu_s) + zero3_fetch_s)
+    step_s = micro_batches * (max(cpu_s, gpu_s) + zero3_fetch_s)
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     updated = badam_block_params(model) if badam else partition  # BAdam steps one block
     step_s += t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
@@ -80,7 +81,17 @@ def predict_tokens_per_s(
             step_s += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
     if plan.world_size > 1:
         step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
-    return real_tokens * plan.grad_accum * plan.world_size / step_s
+    return real_tokens * micro_batches * plan.world_size / step_s
+
+
+def micro_batches_per_step(plan: Plan, seq_len: int, padded_len: float) -> float:
+    """Micro-batches one process runs per optimizer step: grad_accum, or under a token budget the step's tokens
+    over the budget plus half a micro-batch for the last, partly filled one (by construction; the plugin reports
+    the real count per step as micro_batches in its events)."""
+    if not plan.token_budget:
+        return float(plan.grad_accum)
+    rows = plan.micro_batch_size * plan.grad_accum
+    return min(float(rows), max(1.0, rows * padded_len / plan.token_budget + 0.5))
 
 
 def within_checked_sizes(model: ModelSpec) -> bool:

@@ -69,3 +69,33 @@ def test_without_the_sample_buffer_a_thread_polls_and_each_take_drains_it():
     assert step["gpu_util_samples"] >= 2 and step["gpu_util_min"] == 50 and step["gpu_util_max"] == 60
     assert step["gpu_power_w"] == 450.0 and "polled" in step["gpu_sampling"]
     assert step_summary([], [], [], "x") == {}
+
+
+def test_the_kernel_profile_sorts_gpu_time_by_what_the_kernels_do():
+    from types import SimpleNamespace
+
+    from lf_adapter.plugin.comm_profile import kernel_breakdown, union_seconds
+
+    def kernel(name, start, end, device="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 400),
+        kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 400, 700),
+        kernel("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", 700, 800),
+        kernel("void at::native::(anonymous)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 900, 950),
+        kernel("_rms_norm_forward_kernel", 950, 960),
+        kernel("liger_cross_entropy_kernel", 960, 990),
+        kernel("void at::native::vectorized_elementwise_kernel<4, CastOp>", 990, 1000),
+        kernel("aten::mm", 0, 1000, device="DeviceType.CPU"),  # the CPU op that launched a GEMM: not GPU time
+    ]
+    kinds, spans = kernel_breakdown(events)
+    assert kinds == {
+        "GEMMs": 700e-6,
+        "attention": 100e-6,
+        "optimizer": 50e-6,
+        "norms, activations, RoPE (liger/Triton)": 10e-6,
+        "loss (cross-entropy)": 30e-6,
+        "copies, casts, other elementwise": 10e-6,
+    }
+    assert abs(union_seconds(spans) - 900e-6) < 1e-12  # 800-900 µs: the GPU idled

@@ -209,7 +209,7 @@ def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_pat
     assert md.startswith("## lfa review: 2 recipe(s), **1 error(s)**")
     assert f"### `{clean_recipe}`" in md and "No findings." in md
     assert "| ❌ error | " in md and "`bf16_unsupported`" in md
-    assert "| `fp16/mbs1xga64x1/gc/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md
+    assert "| `fp16/mbs1xga64x1/gc6/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md  # 6 of 24 layers recompute
     text = run_lfa("review", broken / "train.yaml")
     assert (
         f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout

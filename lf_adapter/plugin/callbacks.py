@@ -33,17 +33,22 @@ def record_step_batches(batch_samples) -> None:
     """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
     (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
     collator left where it dropped the padding mask, before the model sees the batch."""
-    counts, flat = [], 0
+    from .token_budget import MICRO_BATCHES
+
+    counts, flat, micro_batches = [], 0, 0
     for batch in batch_samples:
         if not isinstance(batch, Mapping):
             continue
-        flat += "cu_seq_lens_q" in batch  # flattened by the padding-free collator
+        inner = batch.get(MICRO_BATCHES) or [batch]  # a token-budget step holds its micro-batches
+        micro_batches += len(inner)
+        flat += sum("cu_seq_lens_q" in b for b in inner)  # flattened (padding-free)
         if "lfa_nonpad_tokens" in batch:
             counts.append(batch.pop("lfa_nonpad_tokens"))
         elif batch.get("attention_mask") is not None and batch["attention_mask"].dim() == 2:
             counts.append((batch["attention_mask"] > 0).sum())
     _STEP_TOKENS["value"] = sum(counts) if counts else None
     _STEP_TOKENS["flat_micro_batches"] = flat
+    _STEP_TOKENS["micro_batches"] = micro_batches
 
 
 def _cuda():
@@ -141,6 +146,7 @@ class EventsCallback(TrainerCallback):
             grad_accum=args.gradient_accumulation_steps,
             world_size=args.world_size,
             sampler=SAMPLER["name"],
+            token_budget=int(os.environ.get(contract.TOKEN_BUDGET, "0") or 0),
         )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -156,6 +162,7 @@ class EventsCallback(TrainerCallback):
             step_time_s=round(now - self.last, 4),
             step_tokens=tokens,
             flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0),
+            micro_batches=_STEP_TOKENS.get("micro_batches", 0),
         )
         self.last = now
 

@@ -16,6 +16,30 @@ from . import contract
 # the work itself, not the calls that enqueue it (c10d::allreduce_ on the main thread would count it twice)
 COLLECTIVE = re.compile(r"^(nccl|gloo:)", re.IGNORECASE)
 DEFAULT_WINDOW = (3, 4)  # optimizer steps, after the warm-up steps that allocate and compile
+# GPU kernels by what they do (first match wins), for the kernel profile (LFA_KERNEL_PROFILE=1, benchmarks)
+KERNEL_KINDS = (
+    ("communication", re.compile(r"nccl", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)),
+    ("loss (cross-entropy)", re.compile(r"cross_entropy|log_softmax|nll_loss", re.IGNORECASE)),
+    ("GEMMs", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|sm\d\d_", re.IGNORECASE)),
+    ("norms, activations, RoPE (liger/Triton)", re.compile(r"rms_norm|swiglu|rope|silu|layer_norm", re.IGNORECASE)),
+    ("copies, casts, other elementwise", re.compile(r".")),
+)
+
+
+def kernel_breakdown(events) -> tuple[dict[str, float], list[tuple[float, float]]]:
+    """GPU seconds of the profiler's CUDA kernels by KERNEL_KINDS, and every kernel's (start, end) in µs."""
+    seconds: dict[str, float] = {}
+    spans = []
+    for event in events:
+        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        spans.append((start, end))
+        kind = next(name for name, pattern in KERNEL_KINDS if pattern.search(event.name))
+        seconds[kind] = seconds.get(kind, 0.0) + (end - start) / 1e6
+    return seconds, spans
 
 
 def window_steps(value: str | None) -> tuple[int, int] | None:
@@ -61,12 +85,13 @@ class CommProfileCallback(TrainerCallback):
 
     def __init__(self, emit):
         self.emit, self.window = emit, window_steps(os.environ.get(contract.COMM_PROFILE_STEPS))
+        self.kernels = os.environ.get(contract.KERNEL_PROFILE) == "1"
         self.profiler, self.started, self.first, self.last = None, None, None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if (
             self.window is None
-            or args.world_size <= 1
+            or (args.world_size <= 1 and not self.kernels)
             or not state.is_world_process_zero
             or self.profiler is not None
             or state.global_step + 1 < self.window[0]
@@ -78,6 +103,8 @@ class CommProfileCallback(TrainerCallback):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        if args.world_size <= 1 and torch.cuda.is_available():  # kernels only: less recording on the host
+            activities = [ProfilerActivity.CUDA]
         self.profiler = profile(activities=activities)
         self.profiler.__enter__()
         self.started = time.perf_counter()
@@ -99,7 +126,23 @@ class CommProfileCallback(TrainerCallback):
         wall = time.perf_counter() - self.started
         self.profiler.__exit__(None, None, None)
         self.started = None  # one window per attempt
-        spans, names = collective_intervals(self.profiler.events())
+        events = self.profiler.events()
+        if self.kernels:
+            kinds, kernel_spans = kernel_breakdown(events)
+            busy = union_seconds(kernel_spans)
+            self.emit(
+                state,
+                event="kernels",
+                first_step=self.first,
+                last_step=state.global_step,
+                window_s=round(wall, 4),
+                gpu_busy_s=round(busy, 4),
+                gpu_idle_s=round(max(0.0, wall - busy), 4),  # launch gaps, host work, syncs
+                kinds_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            )
+        if args.world_size <= 1:
+            return
+        spans, names = collective_intervals(events)
         comm = union_seconds(spans)
         self.emit(
             state,

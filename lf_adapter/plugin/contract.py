@@ -6,6 +6,8 @@ LFA_REQUIRE_PLUGIN itself."""
 DROP_PADDING_MASK = "LFA_DROP_PADDING_MASK"  # "1": right-padded batches train without a padding mask
 PADDING_FREE = "LFA_PADDING_FREE"  # "1": each micro-batch's rows flattened, attention kept per row
 SORTED_STEPS = "LFA_SORTED_STEPS"  # "1": micro-batches sorted by length inside each optimizer step
+TOKEN_BUDGET = "LFA_TOKEN_BUDGET"  # N: each optimizer step's rows cut into micro-batches of at most N tokens
+CHECKPOINT_LAYERS = "LFA_CHECKPOINT_LAYERS"  # k: only the first k decoder layers recompute their forward
 # set by lfa train per attempt
 EVENTS_FILE = "LFA_EVENTS_FILE"  # where the plugin appends its JSON events
 SUPERVISOR_PID = "LFA_SUPERVISOR_PID"  # the trainer saves and stops when this process is gone
@@ -13,6 +15,7 @@ ATTEMPT = "LFA_ATTEMPT"  # the attempt number stamped on every event
 CHAT_TEMPLATE_DIRS = "LFA_CHAT_TEMPLATE_DIRS"  # extra folders of chat templates to register
 REQUIRE_PLUGIN = "LFA_REQUIRE_PLUGIN"  # fail loudly when the plugin cannot load
 COMM_PROFILE_STEPS = "LFA_COMM_PROFILE_STEPS"  # "3-4" (default), "off": the communication profiler's window
+KERNEL_PROFILE = "LFA_KERNEL_PROFILE"  # "1": profile that window on one process too, GPU time by kernel kind
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)
 EMULATE_MODEL = "LFA_EMULATE_MODEL"  # plan OOM recovery for this model's shape instead of the trained one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -100,19 +101,83 @@ def _wrap_run_exp(tuner_module) -> None:
     tuner_module.run_exp = run_exp
 
 
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _step_batches(trainer, args) -> None:
+    """Token-budget micro-batches (LFA_TOKEN_BUDGET): one batch per optimizer step, accumulation 1; training_step
+    cuts it. Before the Trainer is built, so that its data loader, accelerator and schedule see the new numbers.
+    Not under DeepSpeed or FSDP, whose engines own accumulation: those train the recipe's fixed micro-batches."""
+    budget = _env_int(contract.TOKEN_BUDGET)
+    if not budget or args is None:
+        return
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        os.environ[contract.TOKEN_BUDGET] = "0"  # the data workers, forked later, read it
+        print("lfa: token budget ignored under DeepSpeed/FSDP: fixed micro-batches as the recipe says", flush=True)
+        return
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    print(
+        f"lfa: token-budget micro-batches: each optimizer step's {rows} rows per process in one batch, cut into "
+        f"micro-batches of at most {budget} tokens (the recipe's {args.per_device_train_batch_size} x "
+        f"{args.gradient_accumulation_steps} is what runs without the plugin)",
+        flush=True,
+    )
+    trainer._lfa_token_budget = budget
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = rows, 1
+
+
+def checkpoint_first_layers(model, k: int) -> tuple[int, int] | None:
+    """Keep gradient checkpointing on the first k decoder layers only (transformers' GradientCheckpointingLayer
+    reads its own flag on every call); (k, layers), or None where the model has no such layers checkpointed."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers or not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        return None
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < k
+    return min(k, len(layers)), len(layers)
+
+
+def _padding_free_usable(model) -> str | None:
+    """Why padding-free cannot train exactly and fast here (None: it can). On a CUDA GPU it needs torch's varlen
+    flash attention (torch >= 2.10, sm80+); the per-row reference path is for CPUs."""
+    from lf_adapter.plugin import padding_free
+
+    if not padding_free.supported():
+        return "transformers >= 4.53 (AttentionMaskInterface)"
+    device = next(model.parameters()).device
+    import torch
+
+    if device.type == "cuda" or (device.type == "cpu" and torch.cuda.is_available()):
+        index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
+        if padding_free._torch_varlen() is None or not padding_free._flash_capable(index):
+            return "torch >= 2.10's varlen flash attention on an sm80+ GPU"
+    return None
+
+
 def _patch_sft_trainer(trainer_module) -> None:
-    """Length-sorted steps (LFA_SORTED_STEPS=1), padding-free attention (LFA_PADDING_FREE=1) and per-step token
-    counts for lfa's events."""
+    """Length-sorted steps (LFA_SORTED_STEPS=1), padding-free attention (LFA_PADDING_FREE=1), token-budget
+    micro-batches (LFA_TOKEN_BUDGET), recompute of k layers (LFA_CHECKPOINT_LAYERS) and per-step token counts for
+    lfa's events."""
     from lf_adapter.plugin import callbacks as lfa_callbacks
     from lf_adapter.plugin import padding_free
     from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
+    from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_step
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
     original_sampler = trainer_class._get_train_sampler
     original_batches = trainer_class.get_batch_samples
+    original_step = trainer_class.training_step
 
     def _get_train_sampler(self, *args, **kwargs):
-        if os.environ.get(contract.SORTED_STEPS) == "1" and not self.finetuning_args.disable_shuffling:
+        # token budgets sort each step's rows themselves; sorting across processes would hand one all long rows
+        budget = getattr(self, "_lfa_token_budget", 0)
+        if os.environ.get(contract.SORTED_STEPS) == "1" and not budget and not self.finetuning_args.disable_shuffling:
             dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
             lengths = row_lengths(dataset)
             if lengths is not None:
@@ -120,29 +185,60 @@ def _patch_sft_trainer(trainer_module) -> None:
                 block = a.per_device_train_batch_size * a.gradient_accumulation_steps * max(1, a.world_size)
                 lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})"
                 return SortedStepSampler(lengths, block, seed=a.data_seed if a.data_seed is not None else a.seed)
-        lfa_callbacks.SAMPLER["name"] = "default"
+        lfa_callbacks.SAMPLER["name"] = f"token_budget({budget})" if budget else "default"
         return original_sampler(self, *args, **kwargs)
 
     def get_batch_samples(self, *args, **kwargs):
+        # the step's tokens are counted on the padded rows, as transformers counts for accumulation
         batch_samples, num_items = original_batches(self, *args, **kwargs)
+        budget = getattr(self, "_lfa_token_budget", 0)
+        if budget:
+            flat = os.environ.get(contract.PADDING_FREE) == "1"
+            drop = os.environ.get(contract.DROP_PADDING_MASK) == "1"
+            batch_samples = [split_step(b, budget, flat, drop) or b for b in batch_samples]
         lfa_callbacks.record_step_batches(batch_samples)
         return batch_samples, num_items
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        micro_batches = inputs.get(MICRO_BATCHES) if isinstance(inputs, dict) else None
+        if micro_batches is None:
+            return original_step(self, model, inputs, *args, **kwargs)
+        total = None
+        for index, micro in enumerate(micro_batches):  # gradients are exchanged after the last micro-batch only
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                loss = original_step(self, model, micro, *args, **kwargs)
+            total = loss if total is None else total + loss
+        return total
 
     original_init = trainer_class.__init__
 
     def __init__(self, *args, **kwargs):
+        _step_batches(self, kwargs.get("args"))
         original_init(self, *args, **kwargs)
         if os.environ.get(contract.PADDING_FREE) == "1":  # the collator flattens rows; attention keeps them apart
-            if padding_free.supported():
+            why_not = _padding_free_usable(self.model)
+            if why_not is None:
                 padding_free.use_on(self.model)
             else:
-                print(
-                    "lfa: padding-free needs transformers >= 4.53 (AttentionMaskInterface): training padded", flush=True
-                )
+                os.environ[contract.PADDING_FREE] = "0"  # the data workers, forked later, read it
+                print(f"lfa: padding-free needs {why_not}: training padded", flush=True)
+        layers = _env_int(contract.CHECKPOINT_LAYERS)
+        if layers:
+            done = checkpoint_first_layers(self.model, layers)
+            print(
+                f"lfa: recompute: the first {done[0]} of {done[1]} decoder layers checkpointed, the rest keep "
+                "their activations"
+                if done
+                else "lfa: recompute of some layers needs transformers' GradientCheckpointingLayer with "
+                "checkpointing on: LLaMA-Factory's setting stays",
+                flush=True,
+            )
 
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
     trainer_class.get_batch_samples = get_batch_samples
+    trainer_class.training_step = training_step
     if os.environ.get(contract.BENCH_SKIP_FINAL_SAVE) == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
         original_save = trainer_class.save_model
 
@@ -177,6 +273,8 @@ def _patch_collator(collator_module) -> None:
     def __call__(self, features):
         batch = original_call(self, features)
         if self.block_diag_attn:  # LLaMA-Factory's neat_packing: its own mask
+            return batch
+        if _env_int(contract.TOKEN_BUDGET):  # the trainer cuts each step's rows (evaluation batches stay padded)
             return batch
         # both run in the data workers, on the CPU: no GPU sync
         if (

@@ -33,30 +33,38 @@ def right_padding_mask(batch):
     return mask
 
 
-def flatten_batch(batch) -> bool:
+def flatten_batch(batch, lengths: list[int] | None = None) -> bool:
     """Flatten a right-padded text batch in place: [B, L] -> [1, sum of row lengths]. False (batch unchanged)
-    when it is not one (4D masks, packed rows, other keys)."""
+    when it is not one (4D masks, packed rows, other keys). lengths: the rows' lengths when the caller knows them
+    (no device sync to read them); new tensors are made on the batch's device."""
     import torch
 
     mask = right_padding_mask(batch)
     if mask is None or "labels" not in batch:
         return False
-    lengths = mask.sum(dim=1)
-    lengths = lengths[lengths > 0]
+    device = mask.device
+    if lengths is None:
+        lengths = mask.sum(dim=1).tolist()
+    lengths = [int(n) for n in lengths if n > 0]
+    counts = torch.tensor(lengths, device=device)
+    ends = torch.cumsum(counts, dim=0)
+    starts = ends - counts
     keep = mask.bool()
     labels = batch["labels"][keep].clone()
-    ends = torch.cumsum(lengths, dim=0)
-    starts = ends - lengths
     labels[starts] = -100  # the previous row's last token must not be trained to predict this row's first
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     cu[1:] = ends.to(torch.int32)
+    total = sum(lengths)
     batch["input_ids"] = batch["input_ids"][keep].unsqueeze(0)
     batch["labels"] = labels.unsqueeze(0)
-    batch["position_ids"] = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0)
+    # positions restart at 0 for every row
+    batch["position_ids"] = (
+        torch.arange(total, device=device) - torch.repeat_interleave(starts, counts, output_size=total)
+    ).unsqueeze(0)
     batch["attention_mask"] = None
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
-    batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
-    batch["lfa_nonpad_tokens"] = lengths.sum()
+    batch["max_length_q"] = batch["max_length_k"] = max(lengths)
+    batch["lfa_nonpad_tokens"] = counts.sum()
     return True
 
 

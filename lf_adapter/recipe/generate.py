@@ -47,6 +47,8 @@ class GenerateRequest:
     gpus: int | None = None
     allow_packing: bool = False
     sort_steps: bool = True
+    padding_free: bool = True  # where the exact varlen kernel exists (--no-padding-free: padded everywhere)
+    token_budget: bool = True  # token-budget micro-batches where they apply (--no-token-budget: fixed ones)
     pins: tuple[str, ...] = ()  # FIELD=VALUE plan fields fixed by the user
     launcher: str = "torchrun"
     llamafactory_version: str | None = None  # default: the installed one, else 0.9.5
@@ -94,6 +96,8 @@ PINNABLE = {
     "optimizer": str,
     "alloc_conf": str,
     "padding_free": bool,
+    "token_budget": int,  # tokens per micro-batch (0: fixed micro-batches)
+    "checkpoint_layers": int,  # decoder layers checkpointed (the first k), with gradient checkpointing
 }
 
 
@@ -143,6 +147,12 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         elif not isinstance(value, PINNABLE[key]):
             raise UserError(f"--pin {item!r}: {key} takes a {PINNABLE[key].__name__}")
         fixed[key] = value
+    for key in ("token_budget", "checkpoint_layers", "micro_batch_size"):
+        lowest = 0 if key == "token_budget" else 1
+        if key in fixed and (isinstance(fixed[key], bool) or fixed[key] < lowest):
+            raise UserError(f"--pin {key}={fixed[key]}: must be an integer >= {lowest}")
+    if fixed.get("checkpoint_layers") and fixed.get("gradient_checkpointing") is False:
+        raise UserError("--pin checkpoint_layers needs gradient checkpointing (not gradient_checkpointing=false)")
     if fixed.get("deepspeed") not in (None, Sharding.ZERO2, Sharding.ZERO3):
         raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
     if "sharding" in fixed:
@@ -253,6 +263,8 @@ def generate(request: GenerateRequest) -> Generated:
     options = PlanOptions(
         allow_packing=request.allow_packing,
         sort_steps=request.sort_steps,
+        padding_free=request.padding_free,
+        token_budget=request.token_budget,
         liger_available=liger_ok,
         launcher=request.launcher,
         flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,

@@ -22,7 +22,7 @@ def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDE
     i = 0
     while i < len(args):
         key = args[i].lstrip("-").replace("-", "_")
-        if key in ("allow_packing", "no_sorted_steps"):
+        if key in ("allow_packing", "no_sorted_steps", "no_padding_free", "no_token_budget"):
             flags.add(key)
             i += 1
             continue
@@ -45,6 +45,8 @@ def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDE
         gpus=int(values["gpus"]) if "gpus" in values else None,
         allow_packing="allow_packing" in flags,
         sort_steps="no_sorted_steps" not in flags,
+        padding_free="no_padding_free" not in flags,
+        token_budget="no_token_budget" not in flags,
         precision=values.get("precision"),
         sets=tuple(sets),
         pins=tuple(pins),

@@ -68,6 +68,14 @@ def precision_from_keys(data: dict) -> str:
     return "bf16" if truthy(data.get("bf16")) else "fp16" if truthy(data.get("fp16")) else "fp32"
 
 
+def _checkpoint_layers(meta: dict, data: dict) -> int | None:
+    """The header's checkpoint_layers, when the recipe still checkpoints (a hand edit may have turned it off)."""
+    layers = meta.get("checkpoint_layers")
+    if not layers or truthy(data.get("disable_gradient_checkpointing", False)):
+        return None
+    return int(layers)
+
+
 def plan_from_keys(
     data: dict,
     meta: dict,
@@ -95,6 +103,8 @@ def plan_from_keys(
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
         padding_free=bool(meta.get("padding_free", False)),
         sorted_steps=bool(meta.get("sorted_steps", False)),
+        token_budget=int(meta.get("token_budget") or 0),
+        checkpoint_layers=_checkpoint_layers(meta, data),
         alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
         optimizer=optimizer_from_keys(data),
@@ -188,6 +198,23 @@ def launch_env(
                 "1",
                 "lfa plugin: each micro-batch's rows flattened into one sequence, "
                 "attention kept per row (no compute on padding, exact)",
+            )
+        )
+    if plan.token_budget:
+        env.append(
+            LaunchEnv(
+                contract.TOKEN_BUDGET,
+                str(plan.token_budget),
+                "lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens "
+                "(same rows per step)",
+            )
+        )
+    if plan.checkpoint_layers:
+        env.append(
+            LaunchEnv(
+                contract.CHECKPOINT_LAYERS,
+                str(plan.checkpoint_layers),
+                "lfa plugin: only the first layers recompute their forward; the rest keep their activations",
             )
         )
     if plan.sorted_steps:

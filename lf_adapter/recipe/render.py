@@ -167,6 +167,10 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
     }
     if plan.padding_free:  # lfa's plugin, not a LLaMA-Factory key: the header says so
         meta["padding_free"] = True
+    if plan.token_budget:
+        meta["token_budget"] = plan.token_budget
+    if plan.checkpoint_layers:
+        meta["checkpoint_layers"] = plan.checkpoint_layers
     if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)

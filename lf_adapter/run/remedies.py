@@ -63,11 +63,25 @@ def _fragmentation(a, f, c):
 
 def _halve_micro_batch(a, f, c):
     p = a.plan
-    if p.micro_batch_size < 2:
+    if p.micro_batch_size < 2 and p.token_budget < 2:
         return None
-    return p.replace(micro_batch_size=p.micro_batch_size // 2, grad_accum=p.grad_accum * 2), (
-        f"micro-batch {p.micro_batch_size} -> {p.micro_batch_size // 2}, accumulation {p.grad_accum} -> "
-        f"{p.grad_accum * 2}: effective batch stays {p.effective_batch_size}"
+    halved = p.replace(token_budget=p.token_budget // 2)
+    why = [f"token budget {p.token_budget} -> {p.token_budget // 2}"] if p.token_budget else []
+    if p.micro_batch_size >= 2:
+        halved = halved.replace(micro_batch_size=p.micro_batch_size // 2, grad_accum=p.grad_accum * 2)
+        why.append(
+            f"micro-batch {p.micro_batch_size} -> {p.micro_batch_size // 2}, accumulation {p.grad_accum} -> "
+            f"{p.grad_accum * 2}"
+        )
+    return halved, ", ".join(why) + f": effective batch stays {p.effective_batch_size}"
+
+
+def _checkpoint_every_layer(a, f, c):
+    p = a.plan
+    if p.gradient_checkpointing and p.checkpoint_layers is None:
+        return None
+    return p.replace(gradient_checkpointing=True, checkpoint_layers=None), (
+        "gradient checkpointing on every layer: keep only layer inputs, recompute the rest"
     )
 
 
@@ -159,9 +173,7 @@ def _drop_deepspeed(a, f, c):
 PLAN_ACTIONS = {
     "fragmentation": _gpu_only(_fragmentation),  # PYTORCH_CUDA_ALLOC_CONF does nothing on a CPU
     "halve_micro_batch": _halve_micro_batch,
-    "gradient_checkpointing": _switch(
-        "gradient_checkpointing", True, "gradient checkpointing on: keep only layer inputs, recompute the rest"
-    ),
+    "gradient_checkpointing": _checkpoint_every_layer,
     "liger": _triton_gpu_only(
         _not_zero3(_switch("liger", True, "liger kernel on: fused cross-entropy never materializes fp32 logits"))
     ),

@@ -1,0 +1,64 @@
+"""Token-budget micro-batches (LFA_TOKEN_BUDGET=N): every optimizer step keeps exactly its rows, and the trainer cuts
+them into as many micro-batches as their tokens need, each at most N tokens.
+
+The plugin hands the trainer one batch per optimizer step (per process: micro_batch_size x grad_accum rows, the
+recipe's own numbers) with accumulation 1. Where the trainer collects it (get_batch_samples, training only; it has
+counted the step's tokens on the padded rows, as for accumulation) the step's rows are grouped longest first:
+padding-free, first-fit into micro-batches of at most N real tokens; padded, consecutive rows while rows x the
+longest row fit in N. training_step runs them one after another (gradients exchanged across processes after the
+last only), each loss normalized by the whole step's token count: the step's gradient is the padded step's sum over
+the same tokens (tests/test_token_budget.py).
+"""
+
+from __future__ import annotations
+
+MICRO_BATCHES = "lfa_micro_batches"  # the key of a step batch's list of micro-batches
+
+
+def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list[int]]:
+    """Pure: the row indices of each micro-batch, longest rows first. A row longer than the budget gets a
+    micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    if padding_free:  # first-fit decreasing on real tokens
+        room: list[int] = []
+        for i in order:
+            slot = next((g for g, free in enumerate(room) if lengths[i] <= free), None)
+            if slot is None:
+                groups.append([i])
+                room.append(budget - lengths[i])
+            else:
+                groups[slot].append(i)
+                room[slot] -= lengths[i]
+        return groups
+    for i in order:  # padded: a micro-batch costs rows x its longest (first) row
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def split_step(batch, budget: int, padding_free: bool, drop_mask: bool) -> dict | None:
+    """One step's right-padded text batch [rows, L] -> {MICRO_BATCHES: [...], "lfa_nonpad_tokens": n}: each
+    micro-batch trimmed to its longest row, then flattened (padding_free) or without its padding mask (drop_mask).
+    None when it is not a right-padded text batch (4D masks, packed rows, other keys)."""
+    import torch
+
+    from .padding_free import flatten_batch, right_padding_mask
+
+    mask = right_padding_mask(batch)
+    if mask is None or "labels" not in batch:
+        return None
+    lengths = mask.sum(dim=1).tolist()  # one read per optimizer step
+    micro_batches = []
+    for rows in group_rows(lengths, budget, padding_free):
+        index = torch.tensor(rows, device=mask.device)
+        width = max(lengths[i] for i in rows)
+        micro = {key: batch[key][index, :width] for key in ("input_ids", "attention_mask", "labels")}
+        if padding_free and flatten_batch(micro, [lengths[i] for i in rows]):
+            micro.pop("lfa_nonpad_tokens")
+        elif drop_mask:  # right-padded: causal attention needs no mask (hooks.drop_right_padding_mask)
+            micro["attention_mask"] = None
+        micro_batches.append(micro)
+    return {MICRO_BATCHES: micro_batches, "lfa_nonpad_tokens": mask.sum()}
