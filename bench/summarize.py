@@ -3,8 +3,8 @@ default plans are exact (no packing). Writes bench/results/summary.json.
 
 usage: python bench/summarize.py [RUN ...]   (results folders holding seed_scenario.json, or runs' JSON files;
 default: every bench/results/h200_session*/**/seed*.json). Each figure comes from the newest run that measured it
-(session number, then path) and names that run. The ratio to the seed's fix is only taken within one run: the median over its
-alternated repeats (seed_fix, capped, seed_fix#2, capped#2, ...; bench/seed_scenario.py --repeats), with the count.
+(session number, then path) and names that run. The ratio to the seed's fix is only taken within one run: the
+median over its alternated repeats (seed_fix, capped, seed_fix#2, capped#2, ...; seed_scenario.py --repeats).
 """
 
 from __future__ import annotations
