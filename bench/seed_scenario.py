@@ -22,6 +22,8 @@ Runs (pick with --only a,b):
   h200_padfree, capped_padfree  the same with --pin padding_free=true (rows flattened, varlen attention, no padding)
   capped_fixed, h200_fixed      the default with --no-token-budget (fixed micro-batches of N rows)
   capped_padded, h200_padded    --no-padding-free --no-token-budget: the default plans of 2026-12-03 (sorted steps)
+  h200_fullgc                   --no-token-budget, micro-batch 8, all 32 layers recomputed (the 6.7B's; 6.7B only)
+  capped_tb                     --pin token_budget=16384
   h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the
                                                       h200 plan
 
@@ -71,6 +73,15 @@ GENERATED = {
     "capped_padded": ("h200-capped-32g", FP16 + ["--no-padding-free", "--no-token-budget"], [], True),
     "h200_fixed": ("h200", ["--no-token-budget"], [], False),
     "h200_padded": ("h200", ["--no-padding-free", "--no-token-budget"], [], False),
+    # within-call references: every layer recomputed at micro-batch 8 (the 6.7B default of 2026-12-03), and a token
+    # budget pinned where the planner rates it a tie
+    "h200_fullgc": (
+        "h200",
+        ["--no-token-budget", "--pin", "micro_batch_size=8", "--pin", "checkpoint_layers=32"],
+        [],
+        False,
+    ),
+    "capped_tb": ("h200-capped-32g", FP16 + ["--pin", "token_budget=16384"], [], True),
     "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
     "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
