@@ -41,7 +41,9 @@ def spec_of(label: str, row: dict):
 
 
 def plan_of(label: str, row: dict) -> Plan | None:
-    if label == "seed_fix":  # the seed author's recipe: fp16, bs1 ga16, checkpointing on, no liger, auto -> sdpa
+    if (
+        label.split("#")[0] == "seed_fix"
+    ):  # the seed author's recipe: fp16, bs1 ga16, checkpointing on, no liger, auto -> sdpa
         return Plan("fp16", 1, 16, gradient_checkpointing=True, liger=False, attention="sdpa")
     text = row.get("plan")
     if not text or not row.get("steady_tokens_per_s"):
@@ -56,11 +58,14 @@ def main() -> None:
         *sorted(str(p) for p in Path("bench/results/h200_session11").glob("offload_run*.json")),
         *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json")),
         *sorted(str(p) for p in Path("bench/results/h200_session14").glob("*.json")),
+        *sorted(str(p) for p in Path("bench/results/h200_session17").glob("seed*.json")),
     ]
     worst = 0.0
     print(f"{'run':36s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for run in runs:
         for label, row in json.loads(Path(run).read_text()).items():
+            if label.startswith("_"):  # a note on where the rows come from
+                continue
             plan = plan_of(label, row)
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue

@@ -39,7 +39,9 @@ def predict_tokens_per_s(
         return real_tokens / (flops / t["cpu_flops"])
     gpu = hardware.gpu
     rate = gpu.peak_tflops_16bit * 1e12 * (t["fp32_fraction_of_peak"] if plan.precision == "fp32" else t["mfu_max"])
-    if not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
+    if plan.padding_free:  # one flattened row of varying length per micro-batch
+        rate *= t["padding_free_shape_efficiency"]
+    elif not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
         rate *= t["variable_shape_efficiency"]
     rate *= 1.0 - (1.0 - t["checkpointing_gpu_efficiency"]) * recomputed
     if not plan.liger and plan.precision != "fp32":
@@ -51,6 +53,10 @@ def predict_tokens_per_s(
         gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
     )
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
+    if not plan.deepspeed and plan.precision != "fp32" and not badam:
+        # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
+        # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
+        gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / (max(gpu.hbm_tbps, 0.5) * 1e12)
     cpu_s = t["launch_s_per_layer"] * model.num_layers * (1.0 + (t["checkpointing_launch_factor"] - 1.0) * recomputed)
     zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
     if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather

@@ -14,9 +14,9 @@ export LFA_DROP_PADDING_MASK="1"
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
 export LFA_PADDING_FREE="1"
 # lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens (same rows per step)
-export LFA_TOKEN_BUDGET="4096"
+export LFA_TOKEN_BUDGET="16384"
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS="20"
+export LFA_CHECKPOINT_LAYERS="31"
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
 export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
 exec llamafactory-cli train train.yaml "$@"
