@@ -188,15 +188,15 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             for applies, text in (
                 (plan.offloads_to_nvme, nvme_basis(hardware)),
                 (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
-                (plan.padding_free, "padding-free measured faster than this: 9-17% at the 1.3B, 2% at the 6.7B"),
+                (plan.padding_free, "padding-free plans measured 1-9% faster than this"),
                 (plan.sharding == Sharding.FSDP2, "FSDP2 priced as ZeRO-3 (not measured)"),
             )
             if applies
         ]
         return "; ".join(
             [
-                "throughput model fitted on H200 runs (bench/README.md): 1.3B within 5% in-sample, the 6.7B "
-                "width within 2.2% (one run fitted, three checked), the 350M width +0.9%",
+                "throughput model fitted on H200 runs (bench/README.md): the default plans of 2026-12-04 within "
+                "-7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% (6.7B width), the 350M width +0.2%",
                 *caveats,
             ]
         )

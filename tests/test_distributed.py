@@ -264,3 +264,34 @@ def test_concurrent_collectives_count_once_and_the_window_is_read_from_the_envir
     assert union_seconds([]) == 0.0
     assert window_steps(None) == DEFAULT_WINDOW and window_steps("off") is None and window_steps("5-9") == (5, 9)
     assert window_steps("9-5") == DEFAULT_WINDOW
+
+
+def test_token_budget_micro_batches_on_two_gloo_processes_train_the_single_process_steps(demo_assets, tmp_path):
+    """Each process cuts its share of the step by tokens (a different number of micro-batches per rank), gradients
+    are exchanged after the last one only, and the losses equal one process's padded fixed micro-batches."""
+    from conftest import _losses
+
+    single = _generate(demo_assets, tmp_path / "single", "cpu", "--no-sorted-steps", "--logging-steps", "1")
+    pins = ("token_budget=512", "padding_free=true")
+    pair = _generate(
+        demo_assets,
+        tmp_path / "pair",
+        _profile(tmp_path, name="cpu-x2", processes_per_node=2),
+        "--logging-steps",
+        "1",
+        *[x for p in pins for x in ("--pin", p)],
+    )
+    assert json.loads(pair.read_text().split("# lfa-meta: ")[1].splitlines()[0])["plan"].endswith("/padfree/tb512")
+    for recipe, name in ((single, "single"), (pair, "pair")):
+        result = run_lfa("train", recipe, "--run-dir", tmp_path / f"run-{name}", env={"MASTER_PORT": str(_free_port())})
+        assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "run-pair" / "attempt-1.log").read_text()
+    assert log.count("lfa: token-budget micro-batches") == 2  # each rank
+    steps = [e for e in _events(tmp_path / "run-pair") if e["event"] == "step"]
+    assert len(steps) == 3 and all(e["micro_batches"] >= 1 for e in steps)
+    losses = {
+        name: [r["loss"] for r in _losses(recipe.parent / "saves" / "pseudo2norm") if "loss" in r]
+        for name, recipe in (("single", single), ("pair", pair))
+    }
+    assert len(losses["pair"]) == 3
+    assert all(abs(a - b) < 1e-4 for a, b in zip(losses["pair"], losses["single"])), losses

@@ -41,6 +41,59 @@ def test_packing_only_when_allowed():
     assert plan(spec, hw, 64, 2048, PlanOptions(allow_packing=True)).chosen.plan.packing
 
 
+def test_padding_free_is_the_default_where_its_kernel_exists_and_says_why_not_elsewhere():
+    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    h200 = plan(spec, load_profile("h200"), 64, 2048).chosen.plan
+    v100 = plan(spec, load_profile("v100-32g"), 64, 2048).chosen.plan
+    opted_out = plan(spec, load_profile("h200"), 64, 2048, PlanOptions(padding_free=False)).chosen.plan
+    assert h200.padding_free and h200.reasons["padding_free"].startswith("on:")
+    assert not v100.padding_free and "sm70" in v100.reasons["padding_free"] and "sm80+" in v100.reasons["padding_free"]
+    assert not opted_out.padding_free and opted_out.reasons["padding_free"] == "off: --no-padding-free"
+
+
+def test_recompute_is_sized_to_memory_the_fewest_checkpointed_layers_that_fit():
+    from lf_adapter.memory import estimate
+
+    spec, hw = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200-capped-32g")
+    chosen = plan(spec, hw, 64, 2048, PlanOptions(fixed={"precision": "fp16"})).chosen
+    k = chosen.plan.checkpoint_layers
+    assert k is not None and 0 < k < spec.num_layers
+    assert chosen.memory.fits
+    fewer = estimate(spec, chosen.plan.replace(checkpoint_layers=k - 1), 2048, hw.gpu.vram_gib)
+    assert not fewer.fits  # one layer fewer does not fit: k is what the memory needs
+    every = estimate(spec, chosen.plan.replace(checkpoint_layers=None), 2048, hw.gpu.vram_gib)
+    assert every.reserved_gib < chosen.memory.reserved_gib  # what runs without the plugin needs less
+
+
+def test_a_token_budget_plan_falls_back_to_a_fixed_plan_that_needs_no_more_memory():
+    from lf_adapter.memory import estimate
+
+    spec, hw = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile("h200")
+    result = plan(spec, hw, 64, 2048)
+    budgets = [c for c in [result.chosen, *result.runners_up] if c.plan.token_budget]
+    assert budgets
+    for c in budgets:
+        assert c.plan.deepspeed is None and c.plan.micro_batch_size * 2048 <= c.plan.token_budget
+        fixed = c.plan.replace(token_budget=0, checkpoint_layers=None)  # LLaMA-Factory without the plugin
+        assert estimate(spec, fixed, 2048, hw.gpu.vram_gib).reserved_gib <= c.memory.reserved_gib
+    off = plan(spec, hw, 64, 2048, PlanOptions(token_budget=False))
+    assert not any(c.plan.token_budget for c in [off.chosen, *off.runners_up])
+
+
+def test_halving_the_micro_batch_after_an_oom_halves_its_token_budget_too():
+    from types import SimpleNamespace
+
+    from lf_adapter.plan import Plan
+    from lf_adapter.run.remedies import PLAN_ACTIONS
+
+    attempt = SimpleNamespace(plan=Plan("bf16", 8, 8, token_budget=16384, checkpoint_layers=20))
+    halved, why = PLAN_ACTIONS["halve_micro_batch"](attempt, None, None)
+    assert (halved.micro_batch_size, halved.grad_accum, halved.token_budget) == (4, 16, 8192)
+    assert "token budget 16384 -> 8192" in why and "effective batch stays 64" in why
+    every, _ = PLAN_ACTIONS["gradient_checkpointing"](attempt, None, None)
+    assert every.gradient_checkpointing and every.checkpoint_layers is None
+
+
 def test_analytic_parameter_count_matches_meta_device(demo_assets):
     model, _ = demo_assets
     assert load_model_spec(str(model)).num_params == count_params_meta(str(model))
@@ -102,6 +155,13 @@ def test_golden_check_reports_drift(tmp_path):
         (["--task", "pseudo2norm", "--hardware", "cpu", "--model", "/no/such/model"], "does not exist"),
         (["--task", "pseudo2norm", "--hardware", "cpu", "--dataset", "/no/such.jsonl"], "does not exist"),
         (["--task", "pseudo2norm", "--hardware", "no-such-profile"], "no hardware profile"),
+        (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "checkpoint_layers=0"], "must be an integer >= 1"),
+        (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "token_budget=-4"], "must be an integer >= 0"),
+        (
+            ["--task", "pseudo2norm", "--hardware", "h200", "--pin", "checkpoint_layers=4"]
+            + ["--pin", "gradient_checkpointing=false"],
+            "needs gradient checkpointing",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_error_exit_2(tmp_path, args, message):
