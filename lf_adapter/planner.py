@@ -153,6 +153,11 @@ def candidate_plans(
     pins are added to `forbidden` (their why), for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
+    if options.fixed.get("checkpoint_layers", 0) > model.num_layers:
+        raise UserError(
+            f"--pin checkpoint_layers={options.fixed['checkpoint_layers']}: {model.name} has {model.num_layers} "
+            "decoder layers"
+        )
     if effective_batch % world:
         raise UserError(
             f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "

@@ -157,6 +157,8 @@ def test_golden_check_reports_drift(tmp_path):
         (["--task", "pseudo2norm", "--hardware", "no-such-profile"], "no hardware profile"),
         (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "checkpoint_layers=0"], "must be an integer >= 1"),
         (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "token_budget=-4"], "must be an integer >= 0"),
+        (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "checkpoint_layers=99"], "has 32 decoder layers"),
+        (["--task", "pseudo2norm", "--hardware", "h200", "--pin", "token_budget=abc"], "takes an integer"),
         (
             ["--task", "pseudo2norm", "--hardware", "h200", "--pin", "checkpoint_layers=4"]
             + ["--pin", "gradient_checkpointing=false"],

@@ -145,7 +145,8 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         if key in ("deepspeed", "alloc_conf") and value in ("none", None, False):
             value = None
         elif not isinstance(value, PINNABLE[key]):
-            raise UserError(f"--pin {item!r}: {key} takes a {PINNABLE[key].__name__}")
+            kind = {int: "an integer", bool: "true or false", str: "a name"}[PINNABLE[key]]
+            raise UserError(f"--pin {item!r}: {key} takes {kind}")
         fixed[key] = value
     for key in ("token_budget", "checkpoint_layers", "micro_batch_size"):
         lowest = 0 if key == "token_budget" else 1
