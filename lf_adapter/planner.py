@@ -223,8 +223,9 @@ def candidate_plans(
             offload=offload,
             packing=pack,
             padding_free=pf,
-            # sorted steps keep their use where padding-free falls back to padding at run time (bench/README.md)
-            sorted_steps=options.sort_steps and mbs > 1 and not pack and not budget,
+            # sorted steps: less padding, and where padding-free falls back to padding at run time; token budgets
+            # keep the same row order, so that a resume that switches to fixed micro-batches skips the same rows
+            sorted_steps=options.sort_steps and (mbs > 1 or budget > 0) and not pack,
             alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
             launcher=options.launcher,
             optimizer=optimizer,
@@ -763,8 +764,6 @@ def explain(
             + (
                 "packed rows have no padding"
                 if p.packing
-                else "token-budget micro-batches sort each step's rows themselves"
-                if p.token_budget
                 else "one row per micro-batch has no padding"
                 if p.micro_batch_size == 1
                 else "disabled with --no-sorted-steps"

@@ -267,11 +267,12 @@ def test_concurrent_collectives_count_once_and_the_window_is_read_from_the_envir
 
 
 def test_token_budget_micro_batches_on_two_gloo_processes_train_the_single_process_steps(demo_assets, tmp_path):
-    """Each process cuts its share of the step by tokens (a different number of micro-batches per rank), gradients
-    are exchanged after the last one only, and the losses equal one process's padded fixed micro-batches."""
+    """Each process takes its round-robin share of the step's sorted rows and cuts it by tokens (a different number
+    of micro-batches per rank), gradients are exchanged after the last one only, and the losses equal one process's
+    padded fixed micro-batches over the same rows."""
     from conftest import _losses
 
-    single = _generate(demo_assets, tmp_path / "single", "cpu", "--no-sorted-steps", "--logging-steps", "1")
+    single = _generate(demo_assets, tmp_path / "single", "cpu", "--logging-steps", "1")
     pins = ("token_budget=512", "padding_free=true")
     pair = _generate(
         demo_assets,
@@ -281,7 +282,9 @@ def test_token_budget_micro_batches_on_two_gloo_processes_train_the_single_proce
         "1",
         *[x for p in pins for x in ("--pin", p)],
     )
-    assert json.loads(pair.read_text().split("# lfa-meta: ")[1].splitlines()[0])["plan"].endswith("/padfree/tb512")
+    assert json.loads(pair.read_text().split("# lfa-meta: ")[1].splitlines()[0])["plan"].endswith(
+        "/padfree/sorted/tb512"
+    )
     for recipe, name in ((single, "single"), (pair, "pair")):
         result = run_lfa("train", recipe, "--run-dir", tmp_path / f"run-{name}", env={"MASTER_PORT": str(_free_port())})
         assert result.returncode == 0, result.stdout + result.stderr

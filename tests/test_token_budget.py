@@ -98,13 +98,15 @@ def test_through_the_real_trainer_a_token_budget_trains_the_padded_steps(cpu_rec
     from conftest import _events, _losses, run_lfa
 
     common = ("max_steps=3",)
-    padded = cpu_recipe(*common, name="padded", extra=("--logging-steps", "1", "--no-sorted-steps"))
+    # both keep lfa's sorted-step row order: the same rows per step whichever way a step is cut (so a resume that
+    # switches between them skips exactly the rows it trained)
+    padded = cpu_recipe(*common, name="padded", extra=("--logging-steps", "1"))
     pins = ("token_budget=1024", "padding_free=true", "gradient_checkpointing=true", "checkpoint_layers=1")
     budget = cpu_recipe(
         *common, name="budget", extra=("--logging-steps", "1", *[x for p in pins for x in ("--pin", p)])
     )
     meta = json.loads(budget.read_text().split("# lfa-meta: ")[1].splitlines()[0])
-    assert meta["plan"].endswith("/padfree/tb1024") and "/gc1/" in meta["plan"]
+    assert meta["plan"].endswith("/padfree/sorted/tb1024") and "/gc1/" in meta["plan"]
     launch = (budget.parent / "launch.sh").read_text()
     assert 'LFA_TOKEN_BUDGET="1024"' in launch and 'LFA_CHECKPOINT_LAYERS="1"' in launch
     for recipe in (padded, budget):

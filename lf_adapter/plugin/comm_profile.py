@@ -1,5 +1,6 @@
 """Communication time of multi-process runs: a torch profiler window over a few optimizer steps on rank 0, the
-collectives in it (NCCL kernels on GPUs, gloo's work on CPUs) against the window's wall time. Collectives overlap
+collectives in it (NCCL kernels on GPUs, gloo's work on CPUs) against the window's wall time; with
+LFA_KERNEL_PROFILE=1 (benchmarks) the same window on one process too, GPU kernel time by kind. Collectives overlap
 the backward (DDP buckets, ZeRO reduce-scatter), so the share is time spent in communication, not time the step
 waited for it."""
 
@@ -127,15 +128,14 @@ class CommProfileCallback(TrainerCallback):
         self.profiler.__exit__(None, None, None)
         self.started = None  # one window per attempt
         events = self.profiler.events()
+        window = {"first_step": self.first, "last_step": state.global_step, "window_s": round(wall, 4)}
         if self.kernels:
             kinds, kernel_spans = kernel_breakdown(events)
             busy = union_seconds(kernel_spans)
             self.emit(
                 state,
                 event="kernels",
-                first_step=self.first,
-                last_step=state.global_step,
-                window_s=round(wall, 4),
+                **window,
                 gpu_busy_s=round(busy, 4),
                 gpu_idle_s=round(max(0.0, wall - busy), 4),  # launch gaps, host work, syncs
                 kinds_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
@@ -147,9 +147,7 @@ class CommProfileCallback(TrainerCallback):
         self.emit(
             state,
             event="comm",
-            first_step=self.first,
-            last_step=state.global_step,
-            window_s=round(wall, 4),
+            **window,
             comm_s=round(comm, 4),
             share=round(comm / wall, 4) if wall else None,
             collectives=len(spans),

@@ -150,9 +150,9 @@ def _padding_free_usable(model) -> str | None:
 
     if not padding_free.supported():
         return "transformers >= 4.53 (AttentionMaskInterface)"
-    device = next(model.parameters()).device
     import torch
 
+    device = next(model.parameters()).device
     if device.type == "cuda" or (device.type == "cpu" and torch.cuda.is_available()):
         index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
         if padding_free._torch_varlen() is None or not padding_free._flash_capable(index):
@@ -175,16 +175,20 @@ def _patch_sft_trainer(trainer_module) -> None:
     original_step = trainer_class.training_step
 
     def _get_train_sampler(self, *args, **kwargs):
-        # token budgets sort each step's rows themselves; sorting across processes would hand one all long rows
+        # token-budget steps: one batch per process per step, so the sorted block is dealt round-robin to processes
         budget = getattr(self, "_lfa_token_budget", 0)
-        if os.environ.get(contract.SORTED_STEPS) == "1" and not budget and not self.finetuning_args.disable_shuffling:
+        if os.environ.get(contract.SORTED_STEPS) == "1" and not self.finetuning_args.disable_shuffling:
             dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
             lengths = row_lengths(dataset)
             if lengths is not None:
                 a = self.args
-                block = a.per_device_train_batch_size * a.gradient_accumulation_steps * max(1, a.world_size)
-                lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})"
-                return SortedStepSampler(lengths, block, seed=a.data_seed if a.data_seed is not None else a.seed)
+                world = max(1, a.world_size)
+                block = a.per_device_train_batch_size * a.gradient_accumulation_steps * world
+                lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})" + (
+                    f", token_budget({budget})" if budget else ""
+                )
+                seed = a.data_seed if a.data_seed is not None else a.seed
+                return SortedStepSampler(lengths, block, seed=seed, deal=world if budget else 1)
         lfa_callbacks.SAMPLER["name"] = f"token_budget({budget})" if budget else "default"
         return original_sampler(self, *args, **kwargs)
 
