@@ -245,3 +245,13 @@ def test_a_model_far_below_the_checked_sizes_gets_no_speed_to_be_held_to(demo_as
     tiny, big = load_model_spec(str(model)), load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
     assert attempt_prediction(recipe, load_profile("h200"), plan, tiny)["tokens_per_s"] is None
     assert attempt_prediction(recipe, load_profile("h200"), plan, big)["tokens_per_s"] > 0
+
+
+def test_lfa_diff_names_the_plugins_speed_settings(tmp_path):
+    for name, flags in (("a", ()), ("b", ("--no-token-budget", "--no-padding-free"))):
+        result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", *flags, "-o", tmp_path / name)
+        assert result.returncode == 0, result.stderr
+    diff = run_lfa("diff", tmp_path / "a" / "train.yaml", tmp_path / "b" / "train.yaml")
+    speed = diff.stdout.split("changes speed or memory only:")[1]
+    assert "lfa_token_budget: 16384 -> 0" in speed and "lfa_padding_free: True -> False" in speed
+    assert "changes training results" not in diff.stdout

@@ -55,6 +55,9 @@ SPEED_KEYS = [
     "enable_liger_kernel",
     "flash_attn",
     "lfa_sorted_steps",
+    "lfa_padding_free",
+    "lfa_token_budget",
+    "lfa_checkpoint_layers",
     "lfa_alloc_conf",
     "preprocessing_num_workers",
     "dataloader_num_workers",
@@ -95,6 +98,9 @@ def semantic_view(recipe: Recipe) -> dict:
             data["deepspeed_config"] = "unreadable"
     if recipe.meta:
         data["lfa_sorted_steps"] = bool(recipe.meta.get("sorted_steps", False))
+        data["lfa_padding_free"] = bool(recipe.meta.get("padding_free", False))
+        data["lfa_token_budget"] = int(recipe.meta.get("token_budget") or 0)
+        data["lfa_checkpoint_layers"] = recipe.meta.get("checkpoint_layers")
         data["lfa_alloc_conf"] = recipe.meta.get("alloc_conf")
     return data
 
