@@ -646,11 +646,11 @@ def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions
     if p.packing:
         return "off: packed rows have no padding"
     if not hardware.has_gpu:
-        return "off: no GPU (the CPU path is one attention call per row, slower than padding)"
+        return "off: no GPU (lfa's CPU path is one attention call per row, a reference, not a fast kernel)"
     if not padding_free_exact_here(hardware):
         return (
             f"off: {hardware.gpu.name} is sm{hardware.gpu.cc[0]}{hardware.gpu.cc[1]}, and torch's varlen flash "
-            "attention needs sm80+ (the fallback, one attention call per row, is slower than padding)"
+            "attention needs sm80+ (the plugin's fallback, one attention call per row, is exact but not a fast kernel)"
         )
     return "off: padded plans were faster or the only ones that fit"
 

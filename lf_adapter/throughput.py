@@ -21,7 +21,7 @@ def predict_tokens_per_s(
     # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
     # the step's rows were sorted by length so that each micro-batch holds rows of similar length (token budgets
     # group them longest first too)
-    if plan.packing or plan.micro_batch_size == 1 and not plan.token_budget or plan.padding_free:
+    if plan.packing or plan.padding_free or (plan.micro_batch_size == 1 and not plan.token_budget):
         padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction  # padding-free: no padding at all
     elif plan.sorted_steps or plan.token_budget:
         padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
