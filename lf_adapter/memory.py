@@ -207,7 +207,8 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
             "logits + loss": loss,
         }
         if k < L:  # the other layers keep their whole forward graph (interpolated between the measured ends)
-            items[f"activations ({L - k} layers not checkpointed)"] = per_token_layer * (L - k) * tokens
+            kept = f"{L - k} layer" + ("s" if L - k > 1 else "")
+            items[f"activations ({kept} not checkpointed)"] = per_token_layer * (L - k) * tokens
         return items
     return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 

@@ -738,10 +738,17 @@ def explain(
         ),
         "recompute": (
             f"the first {p.checkpoint_layers} of {model.num_layers} decoder layers are checkpointed (their "
-            "forward runs again in the backward), the other "
-            f"{model.num_layers - p.checkpoint_layers} keep their activations: the fewest checkpointed layers "
-            "this memory allows"
-            + (" (pinned)" if "checkpoint_layers" in options.fixed else "")
+            "forward runs again in the backward), "
+            + (
+                f"layer {model.num_layers} keeps its activations"
+                if p.checkpoint_layers + 1 == model.num_layers
+                else f"layers {p.checkpoint_layers + 1}-{model.num_layers} keep their activations"
+            )
+            + (
+                " (pinned)"
+                if "checkpoint_layers" in options.fixed
+                else ": the fewest checkpointed layers this memory allows"
+            )
             + "; without lfa's plugin every layer is checkpointed"
             if p.checkpoint_layers
             else "every layer"
