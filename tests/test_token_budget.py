@@ -60,10 +60,15 @@ def test_a_step_cut_by_tokens_has_the_padded_steps_loss_and_gradients(padding_fr
         assert torch.allclose(model.get_parameter(name).grad, grad, atol=1e-6, rtol=1e-4), name
 
 
-def test_batches_it_cannot_cut_are_left_alone():
-    four_d = _padded_batch([4, 6])
+def test_batches_it_cannot_cut_by_tokens_run_as_the_recipes_fixed_micro_batches():
+    from lf_adapter.plugin.token_budget import split_rows
+
+    four_d = _padded_batch([4, 6, 5, 3, 7])
     four_d["attention_mask"] = four_d["attention_mask"][:, None, None, :]
     assert split_step(four_d, 8, True, True) is None
+    micro_batches = split_rows(four_d, 2)[MICRO_BATCHES]  # never more rows than the fixed plan's 2
+    assert [m["input_ids"].shape[0] for m in micro_batches] == [2, 2, 1]
+    assert torch.equal(torch.cat([m["attention_mask"] for m in micro_batches]), four_d["attention_mask"])
 
 
 def test_recompute_of_k_layers_runs_only_those_layers_forward_twice():

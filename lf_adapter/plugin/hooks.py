@@ -124,7 +124,7 @@ def _step_batches(trainer, args) -> None:
         f"{args.gradient_accumulation_steps} is what runs without the plugin)",
         flush=True,
     )
-    trainer._lfa_token_budget = budget
+    trainer._lfa_token_budget, trainer._lfa_fixed_rows = budget, args.per_device_train_batch_size
     args.per_device_train_batch_size, args.gradient_accumulation_steps = rows, 1
 
 
@@ -167,7 +167,7 @@ def _patch_sft_trainer(trainer_module) -> None:
     from lf_adapter.plugin import callbacks as lfa_callbacks
     from lf_adapter.plugin import padding_free
     from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
-    from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_step
+    from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_rows, split_step
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
     original_sampler = trainer_class._get_train_sampler
@@ -199,7 +199,9 @@ def _patch_sft_trainer(trainer_module) -> None:
         if budget:
             flat = os.environ.get(contract.PADDING_FREE) == "1"
             drop = os.environ.get(contract.DROP_PADDING_MASK) == "1"
-            batch_samples = [split_step(b, budget, flat, drop) or b for b in batch_samples]
+            batch_samples = [
+                split_step(b, budget, flat, drop) or split_rows(b, self._lfa_fixed_rows) for b in batch_samples
+            ]
         lfa_callbacks.record_step_batches(batch_samples)
         return batch_samples, num_items
 

@@ -62,3 +62,19 @@ def split_step(batch, budget: int, padding_free: bool, drop_mask: bool) -> dict 
             micro["attention_mask"] = None
         micro_batches.append(micro)
     return {MICRO_BATCHES: micro_batches, "lfa_nonpad_tokens": mask.sum()}
+
+
+def split_rows(batch, size: int) -> dict:
+    """A step batch that split_step cannot cut (other keys, 4D masks) -> micro-batches of `size` rows, the recipe's
+    fixed micro-batch: never more memory than LLaMA-Factory's own plan."""
+    import torch
+
+    rows = next(v.size(0) for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
+    micro_batches = [
+        {
+            k: v[start : start + size] if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == rows else v
+            for k, v in batch.items()
+        }
+        for start in range(0, rows, size)
+    ]
+    return {MICRO_BATCHES: micro_batches}
