@@ -152,8 +152,9 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
 
 
 def micro_batch_tokens(plan: Plan, seq_len: int) -> int:
-    """The most tokens one micro-batch holds: its token budget, else micro_batch_size rows of cutoff_len."""
-    return plan.token_budget or plan.micro_batch_size * seq_len
+    """The most tokens one micro-batch holds: its token budget (but a row of cutoff_len goes alone when the budget is
+    smaller), else micro_batch_size rows of cutoff_len."""
+    return max(plan.token_budget, seq_len) if plan.token_budget else plan.micro_batch_size * seq_len
 
 
 def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:

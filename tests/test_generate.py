@@ -255,3 +255,13 @@ def test_lfa_diff_names_the_plugins_speed_settings(tmp_path):
     speed = diff.stdout.split("changes speed or memory only:")[1]
     assert "lfa_token_budget: 16384 -> 0" in speed and "lfa_padding_free: True -> False" in speed
     assert "changes training results" not in diff.stdout
+
+
+def test_a_token_budget_below_cutoff_len_is_priced_as_a_row_of_cutoff_len():
+    from lf_adapter.memory import estimate
+    from lf_adapter.plan import Plan
+
+    spec = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    small = estimate(spec, Plan("bf16", 1, 64, token_budget=1024), 2048, 80.0)
+    row = estimate(spec, Plan("bf16", 1, 64, token_budget=2048), 2048, 80.0)
+    assert small.reserved_gib == row.reserved_gib  # a 2,048-token row goes alone, whatever the budget
