@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from . import contract
 
 SAMPLER = {"name": None}  # which train sampler the patched trainer built (reported in train_begin)
+FIXED_MICRO_BATCH = {"rows": None}  # the recipe's micro-batch when token budgets hand the trainer whole steps
 _STEP_TOKENS = {"value": None}  # non-pad tokens of the current optimizer step, a device tensor until read
 
 
@@ -191,10 +192,11 @@ class FaultInjectionCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         limit = os.environ.get(contract.INJECT_OOM_ABOVE_MBS)
-        if limit and args.per_device_train_batch_size > int(limit):
+        rows = FIXED_MICRO_BATCH["rows"] or args.per_device_train_batch_size
+        if limit and rows > int(limit):
             import torch
 
-            need = args.per_device_train_batch_size * 0.2467
+            need = rows * 0.2467
             raise torch.OutOfMemoryError(
                 os.environ.get(contract.INJECT_OOM_MESSAGE)
                 or f"CUDA out of memory. Tried to allocate {need:.2f} GiB. GPU 0 has a total capacity of 31.73 GiB "

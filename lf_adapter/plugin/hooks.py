@@ -124,7 +124,10 @@ def _step_batches(trainer, args) -> None:
         f"{args.gradient_accumulation_steps} is what runs without the plugin)",
         flush=True,
     )
+    from lf_adapter.plugin import callbacks as lfa_callbacks
+
     trainer._lfa_token_budget, trainer._lfa_fixed_rows = budget, args.per_device_train_batch_size
+    lfa_callbacks.FIXED_MICRO_BATCH["rows"] = args.per_device_train_batch_size
     args.per_device_train_batch_size, args.gradient_accumulation_steps = rows, 1
 
 
