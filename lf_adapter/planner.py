@@ -728,8 +728,8 @@ def explain(
         "padding_free": padding_free_reason(p, hardware, options),
         "token_budget": (
             f"each optimizer step's {p.micro_batch_size * p.grad_accum} rows per GPU are cut, longest first, into "
-            f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many, "
-            f"{p.token_budget / max(1, p.micro_batch_size):,.0f} per row of the fixed plan), as many as the step's "
+            f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many), as many as "
+            "the step's "
             "tokens need; the loss is normalized by the step's token count, so the gradient is the padded step's. "
             f"Without lfa's plugin LLaMA-Factory runs the fixed {p.micro_batch_size} x {p.grad_accum} above, "
             "which needs no more memory"

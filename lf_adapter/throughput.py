@@ -28,7 +28,7 @@ def predict_tokens_per_s(
     else:
         padded_len = seq_len
     rows = plan.micro_batch_size * plan.grad_accum  # one optimizer step's rows on one process
-    micro_batches = micro_batches_per_step(plan, seq_len, padded_len)
+    micro_batches = micro_batches_per_step(plan, padded_len)
     real_tokens = rows * seq_len * fill / micro_batches  # per micro-batch, on average
     badam = plan.optimizer == Optimizer.BADAM
     flops = rows * padded_len / micro_batches * model.flops_per_token(seq_len, weight_gradients=not badam)
@@ -90,7 +90,7 @@ def predict_tokens_per_s(
     return real_tokens * micro_batches * plan.world_size / step_s
 
 
-def micro_batches_per_step(plan: Plan, seq_len: int, padded_len: float) -> float:
+def micro_batches_per_step(plan: Plan, padded_len: float) -> float:
     """Micro-batches one process runs per optimizer step: grad_accum, or under a token budget the step's tokens
     over the budget plus half a micro-batch for the last, partly filled one (by construction; the plugin reports
     the real count per step as micro_batches in its events)."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from transformers import TrainerCallback
 
 from . import contract
+from .token_budget import MICRO_BATCHES
 
 SAMPLER = {"name": None}  # which train sampler the patched trainer built (reported in train_begin)
 FIXED_MICRO_BATCH = {"rows": None}  # the recipe's micro-batch when token budgets hand the trainer whole steps
@@ -34,8 +35,6 @@ def record_step_batches(batch_samples) -> None:
     """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
     (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
     collator left where it dropped the padding mask, before the model sees the batch."""
-    from .token_budget import MICRO_BATCHES
-
     counts, flat, micro_batches = [], 0, 0
     for batch in batch_samples:
         if not isinstance(batch, Mapping):

@@ -126,7 +126,7 @@ def _step_batches(trainer, args) -> None:
     )
     from lf_adapter.plugin import callbacks as lfa_callbacks
 
-    trainer._lfa_token_budget, trainer._lfa_fixed_rows = budget, args.per_device_train_batch_size
+    trainer._lfa_token_budget = budget
     lfa_callbacks.FIXED_MICRO_BATCH["rows"] = args.per_device_train_batch_size
     args.per_device_train_batch_size, args.gradient_accumulation_steps = rows, 1
 
@@ -158,7 +158,7 @@ def _padding_free_usable(model) -> str | None:
     device = next(model.parameters()).device
     if device.type == "cuda" or (device.type == "cpu" and torch.cuda.is_available()):
         index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
-        if padding_free._torch_varlen() is None or not padding_free._flash_capable(index):
+        if not padding_free.fast_kernel_on(index):
             return "torch >= 2.10's varlen flash attention on an sm80+ GPU"
     return None
 
@@ -203,7 +203,8 @@ def _patch_sft_trainer(trainer_module) -> None:
             flat = os.environ.get(contract.PADDING_FREE) == "1"
             drop = os.environ.get(contract.DROP_PADDING_MASK) == "1"
             batch_samples = [
-                split_step(b, budget, flat, drop) or split_rows(b, self._lfa_fixed_rows) for b in batch_samples
+                split_step(b, budget, flat, drop) or split_rows(b, lfa_callbacks.FIXED_MICRO_BATCH["rows"])
+                for b in batch_samples
             ]
         lfa_callbacks.record_step_batches(batch_samples)
         return batch_samples, num_items

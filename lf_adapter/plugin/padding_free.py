@@ -102,7 +102,7 @@ def varlen_attention_forward(
         )
     groups = query.size(1) // key.size(1)
     q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
-    if q.is_cuda and _torch_varlen() is not None and _flash_capable(q.device.index or 0):
+    if q.is_cuda and fast_kernel_on(q.device.index or 0):
         varlen, has_window = _torch_varlen()
         extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
         out = varlen(
@@ -134,6 +134,11 @@ def _torch_varlen():
         except ImportError:
             _VARLEN["fn"] = None
     return _VARLEN["fn"]
+
+
+def fast_kernel_on(device_index: int) -> bool:
+    """Whether torch's varlen flash attention runs on this CUDA device (torch >= 2.10, sm80+)."""
+    return _torch_varlen() is not None and _flash_capable(device_index)
 
 
 @functools.lru_cache(maxsize=8)
