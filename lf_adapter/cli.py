@@ -14,20 +14,38 @@ from pathlib import Path
 import click
 
 from . import UserError, __version__
+from .quoting import comment_text, has_surrogates
 from .recipe.keys import REPORT_TO
+
+
+def _not_utf8_flags(kwargs: dict) -> list[str]:
+    """The options and arguments whose value holds bytes that are not UTF-8 (Python's surrogate escapes)."""
+    params = {p.name: p for p in click.get_current_context().command.params}
+    found = []
+    for name, value in kwargs.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, str) and has_surrogates(v) for v in values):
+            param = params.get(name)
+            found.append(max(param.opts, key=len) if param is not None and param.opts else name)
+    return found
 
 
 def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            not_text = _not_utf8_flags(kwargs)
+            if not_text:  # paths and names lfa writes into recipes and scripts are text
+                raise UserError(f"{', '.join(not_text)}: the value is not valid UTF-8 text")
             return fn(*args, **kwargs)
-        except UserError as exc:
-            click.echo(f"lfa: error: {exc}", err=True)
+        except UserError as exc:  # messages quote what the user gave: no escape sequence reaches the terminal
+            click.echo(f"lfa: error: {comment_text(exc, keep=chr(10))}", err=True)
             sys.exit(2)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
+            if exc.errno != errno.ENOSPC:  # a path too long, a folder not writable: one message, no traceback
+                where = f" ({comment_text(exc.filename)[:200]})" if exc.filename else ""
+                click.echo(f"lfa: error: {exc.strerror or exc}{where}", err=True)
+                sys.exit(2)
             click.echo(
                 f"lfa: error: the disk is full ({exc.filename or 'writing'}): free space and run the command "
                 "again (a training run resumes from its newest complete checkpoint)",
@@ -654,8 +672,8 @@ def doctor(log, recipe, hardware, out, allow_hparam_change, workdir, as_json):
         click.echo("no remedy applies to this recipe")
     for path in d.written:
         click.echo(f"wrote {path}")
-    for key, value in d.env.items():
-        click.echo(f"export {key}={value}")
+    for line in d.exports:
+        click.echo(line)
     if d.written:
         click.echo(f"run it with: lfa train {d.written[0]} (lfa sets these variables and supervises the retries)")
     sys.exit(d.exit_code if recipe else 0 if f.retriable else 1)
@@ -923,12 +941,14 @@ def report(run, out_dir):
     Example: lfa report runs/v100-32g
     """
     from .run.control import resolve_run_dir
+    from .run.guard import report_dir_problem
     from .run.report import summary_lines, write_report
 
     run_dir = resolve_run_dir(run)
     target = Path(out_dir) if out_dir else None
-    if target is not None and target.exists() and not target.is_dir():
-        raise UserError(f"--out {out_dir} is a file, not a folder")
+    problem = report_dir_problem(target.resolve()) if target is not None else None
+    if problem:
+        raise UserError(problem)
     try:
         result, page = write_report(run_dir, target)
     except PermissionError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from . import UserError, catalog_dir
+from .quoting import comment_text, host_problem, port_problem
 from .schema import raise_problems, unknown_keys
 
 # Dense 16-bit tensor-core peak (TFLOP/s) by GPU name fragment; used when detecting a real card.
@@ -132,6 +133,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
         ),
         f"hardware profile {source}",
     )
+    raise_problems(rendezvous_problems(data), f"hardware profile {source}")
     try:
         gpu_spec = GPUSpec(**gpu) if gpu else None
         disk_spec = _disk_from_dict(disk) if disk else None
@@ -155,6 +157,28 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None
+
+
+INTERCONNECTS = ("nvlink", "pcie", "none")
+
+
+def rendezvous_problems(data: dict) -> list[str]:
+    """The profile's values that reach launch scripts as names: host names and addresses, the port, the link."""
+    problems = []
+    if data.get("master_addr") and (problem := host_problem(data["master_addr"])):
+        problems.append(f"master_addr {problem}")
+    hosts = data.get("hosts") or []
+    if not isinstance(hosts, list):
+        problems.append("hosts must be a list of host names, one per node in rank order")
+    else:
+        problems += [f"hosts[{i}] {problem}" for i, host in enumerate(hosts) if (problem := host_problem(host))]
+    if "master_port" in data and (problem := port_problem(data["master_port"])):
+        problems.append(f"master_port {problem}")
+    if str(data.get("interconnect", "none")) not in INTERCONNECTS:
+        problems.append(
+            f"interconnect '{comment_text(data['interconnect'])[:80]}' is not one of {', '.join(INTERCONNECTS)}"
+        )
+    return problems
 
 
 def _disk_from_dict(disk: dict) -> DiskSpec:
@@ -186,9 +210,9 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         names = ", ".join(builtin_profiles())
         raise UserError(f"no hardware profile '{name_or_path}': not a file and not one of: {names}, detect")
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"cannot read hardware profile {path}: {exc}") from None
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read hardware profile {path}: {comment_text(exc)}") from None
     if not isinstance(data, dict):
         raise UserError(f"hardware profile {path} must be a mapping, got {type(data).__name__}")
     return profile_from_dict(data.get("profile", data), str(path))

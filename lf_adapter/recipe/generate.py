@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from .. import UserError
 from ..data import DatasetProfile, profile_dataset
 from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
 from ..model_spec import ModelSpec, load_model_spec
-from ..plan import LF_FLASH_ATTN
+from ..plan import LF_FLASH_ATTN, Plan
 from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
+from ..quoting import comment_text
 from ..strategy import Offload, Optimizer, Sharding
 from ..tasks import TaskSpec, load_task
 from ..throughput import speed_basis
-from .read import load_recipe, parse_value
+from .keys import OPTIMIZER_KEYS, plan_keys
+from .read import load_recipe, parse_sets, parse_value
 from .render import RecipeInputs, nvme_setup, relative_to_dir, render_recipe
 
 LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
@@ -75,15 +76,8 @@ class Generated:
     listing: list[str] = dataclasses.field(default_factory=list)  # what runs on this machine
 
 
-def parse_sets(sets: tuple[str, ...]) -> dict:
-    values = {}
-    for item in sets:
-        if "=" not in item:
-            raise UserError(f"--set {item!r}: expected key=value")
-        key, raw = item.split("=", 1)
-        values[key.strip()] = parse_value(raw)
-    return values
-
+# LLaMA-Factory keys the plan writes (recipe.keys.plan_keys and the optimizers' keys): --set may not change them
+PLAN_OWNED_KEYS = set(plan_keys(Plan("bf16", 1, 1))) | {key for keys in OPTIMIZER_KEYS.values() for key in keys}
 
 PINNABLE = {
     "micro_batch_size": int,
@@ -139,14 +133,15 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
     for item in pins:
         key, sep, raw = item.partition("=")
         key = key.strip()
+        shown = comment_text(item)[:120]
         if not sep or key not in PINNABLE:
-            raise UserError(f"--pin {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(PINNABLE)}")
-        value = yaml.safe_load(raw)
+            raise UserError(f"--pin '{shown}': expected FIELD=VALUE with FIELD one of {', '.join(PINNABLE)}")
+        value = parse_value(raw)
         if key in ("deepspeed", "alloc_conf") and value in ("none", None, False):
             value = None
         elif not isinstance(value, PINNABLE[key]):
             kind = {int: "an integer", bool: "true or false", str: "a name"}[PINNABLE[key]]
-            raise UserError(f"--pin {item!r}: {key} takes {kind}")
+            raise UserError(f"--pin '{shown}': {key} takes {kind}")
         fixed[key] = value
     for key in ("token_budget", "checkpoint_layers", "micro_batch_size"):
         lowest = 0 if key == "token_budget" else 1
@@ -207,7 +202,15 @@ def with_swap_folder(hardware: HardwareProfile, folder: str) -> HardwareProfile:
     return dataclasses.replace(hardware, disk=disk)
 
 
+LLAMAFACTORY_VERSION = re.compile(r"\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9]+)*")
+
+
 def generate(request: GenerateRequest) -> Generated:
+    if request.llamafactory_version and not LLAMAFACTORY_VERSION.fullmatch(request.llamafactory_version):
+        raise UserError(
+            f"--llamafactory-version '{comment_text(request.llamafactory_version)[:80]}': expected a version such "
+            "as 0.9.5 or 0.9.4.dev0"
+        )
     task = load_task(request.task)
     hardware = load_profile(request.hardware)
     if request.nvme_path:
@@ -239,6 +242,13 @@ def generate(request: GenerateRequest) -> Generated:
     for key, value in sets.items():
         (hp if key in TASK_HYPERPARAMETERS else extra)[key] = value
     check_hyperparameters(hp)
+    owned = sorted(set(extra) & PLAN_OWNED_KEYS)
+    if owned:
+        raise UserError(
+            f"--set {', '.join(owned)}: the plan sets these from the memory model; pin the plan field instead "
+            "(--pin micro_batch_size=N, --precision, --pin gradient_checkpointing=false, --pin deepspeed=..., "
+            "--pin optimizer=...; the rows per step: --effective-batch)"
+        )
     if request.dataset:
         profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]), shape_model)
         dataset_file = relative_to_dir(request.dataset, request.out_dir)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
 from ..plugin import contract
+from ..quoting import shell_export
 from ..strategy import Offload, Optimizer, Sharding
 
 
@@ -119,11 +120,13 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    """One exported variable, its value (shell syntax allowed in launch.sh) and why it is set."""
+    """One exported variable, its value and why it is set; keep_existing: a value already in the environment wins
+    (launch.sh writes ${NAME:-value})."""
 
     name: str
     value: str
     why: str
+    keep_existing: bool = False
 
 
 # experiment trackers `lfa generate --report-to` writes, and the package each needs in the training environment
@@ -145,8 +148,9 @@ def launch_env(
         env.append(
             LaunchEnv(
                 "WANDB_MODE",
-                "${WANDB_MODE:-offline}",
+                "offline",
                 "W&B logs offline unless you set WANDB_MODE (`wandb sync` uploads later)",
+                keep_existing=True,
             )
         )
     if offline:
@@ -156,9 +160,9 @@ def launch_env(
     distributed = plan.distributed  # DeepSpeed, several processes or FSDP2 (whose branch comes first)
     if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
         env += [
-            LaunchEnv("NODE_RANK", "${NODE_RANK:-0}", "this node's rank (accelerate --machine_rank)"),
-            LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
-            LaunchEnv("MASTER_PORT", f"${{MASTER_PORT:-{master_port}}}", "fixed rendezvous port"),
+            LaunchEnv("NODE_RANK", "0", "this node's rank (accelerate --machine_rank)", keep_existing=True),
+            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
+            LaunchEnv("MASTER_PORT", str(master_port), "fixed rendezvous port", keep_existing=True),
         ]
     elif plan.launcher == "ray":
         env.append(
@@ -174,12 +178,13 @@ def launch_env(
             ),
             LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
             LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
-            LaunchEnv("NODE_RANK", "${NODE_RANK:-0}" if plan.nodes > 1 else "0", "this node's rank"),
-            LaunchEnv("MASTER_ADDR", f"${{MASTER_ADDR:-{master_addr or '127.0.0.1'}}}", "rendezvous host (node 0)"),
+            LaunchEnv("NODE_RANK", "0", "this node's rank", keep_existing=plan.nodes > 1),
+            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
             LaunchEnv(
                 "MASTER_PORT",
-                f"${{MASTER_PORT:-{master_port}}}",
+                str(master_port),
                 "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node",
+                keep_existing=True,
             ),
         ]
         env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
@@ -243,3 +248,8 @@ def launch_env(
             )
         )
     return env
+
+
+def export_line(entry: LaunchEnv) -> str:
+    """The entry as a bash `export` line (the value quoted: it may come from a profile or a flag)."""
+    return shell_export(entry.name, entry.value, entry.keep_existing)

@@ -13,6 +13,7 @@ from .. import UserError
 from ..hardware import HardwareProfile, load_profile, profile_from_dict
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import Plan
+from ..quoting import comment_text, has_surrogates, key_problem
 from ..strategy import OFFLOADS, SHARDING_OF_STAGE, Offload
 from .keys import plan_from_keys
 
@@ -42,12 +43,40 @@ YAML_11_BOOL_WORDS = {"y", "n", "yes", "no", "on", "off"}
 
 
 def parse_value(raw: str):
-    """A --set value: YAML, except that yes/no/on/off stay strings (save_strategy=no means the string)."""
-    if not raw.strip():
-        return ""
-    if raw.strip().lower() in YAML_11_BOOL_WORDS:
-        return raw.strip()
-    return yaml.load(raw, Loader=LlamaFactoryLoader)
+    """A --set value: a number, a boolean, null, or a [flow list] / {flow mapping}, as LLaMA-Factory's YAML reads
+    them; anything else is the exact string given (yes/no/on/off too: save_strategy=no means the string)."""
+    text = raw.strip()
+    if not text or text.lower() in YAML_11_BOOL_WORDS:
+        return raw if text else ""
+    try:
+        value = yaml.load(text, Loader=LlamaFactoryLoader)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, (bool, int, float)) or (value is None and text.lower() in ("null", "~")):
+        return value
+    if (isinstance(value, list) and text.startswith("[")) or (isinstance(value, dict) and text.startswith("{")):
+        return value
+    return raw
+
+
+def parse_sets(items: tuple[str, ...] | list[str]) -> dict:
+    """`--set KEY=VALUE` flags as {key: value}; one UserError naming every flag that is not of that form."""
+    values, problems = {}, []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        problem = (
+            "expected KEY=VALUE"
+            if not sep
+            else key_problem(key) or (f"the value of {key} is not valid UTF-8 text" if has_surrogates(raw) else None)
+        )
+        if problem:
+            problems.append(f"--set '{comment_text(item)[:120]}': {problem}")
+        else:
+            values[key] = parse_value(raw)
+    if problems:
+        raise UserError("; ".join(problems))
+    return values
 
 
 class RecipeLoader(LlamaFactoryLoader):

@@ -15,32 +15,26 @@ from ..hardware import HardwareProfile
 from ..memory import NvmeSettings, nvme_settings
 from ..model_spec import ModelSpec
 from ..plan import Plan
+from ..quoting import comment_text, shell_word, yaml_float, yaml_scalar
 from ..strategy import Sharding
 from ..tasks import TaskSpec, chat_template_files
-from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, launch_env, plan_keys
-
-
-def yaml_float(value) -> str:
-    """Floats as LLaMA-Factory's YAML loaders read them: 3.0e-6, 2.0 (a bare 3e-6 is a string to PyYAML)."""
-    value = float(value)
-    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
-        mantissa, exponent = f"{value:e}".split("e")
-        mantissa = mantissa.rstrip("0")
-        mantissa = mantissa + "0" if mantissa.endswith(".") else mantissa
-        exponent = int(exponent)
-        return f"{mantissa}e{exponent:+d}" if exponent > 0 else f"{mantissa}e{exponent}"
-    return repr(value)
+from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, export_line, launch_env, plan_keys
 
 
 def _environment() -> jinja2.Environment:
+    """Templates write values through filters: yaml_scalar where a value is a YAML value, sh where it is a shell
+    word, comment_text (also the fallback for every other expression) so that no value can start a line."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
+        finalize=lambda value: comment_text(value) if isinstance(value, str) else value,
     )
     env.filters["yaml_float"] = yaml_float
     env.filters["yaml_scalar"] = yaml_scalar
+    env.filters["sh"] = shell_word
+    env.filters["comment"] = comment_text
     return env
 
 
@@ -64,25 +58,6 @@ class RecipeInputs:
     llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
     report_to: str = "none"  # one of REPORT_TO
     nvme: NvmeSetup | None = None  # the swap folder of an NVMe offload plan
-
-
-YAML_11_SPECIAL = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
-
-
-def yaml_scalar(value) -> str:
-    """A value as a YAML scalar for LLaMA-Factory: true/false, 3.0e-6, null."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return yaml_float(value)
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)  # a YAML flow collection, also as a `key=value` override
-    text = str(value)
-    if isinstance(value, str) and (text.lower() in YAML_11_SPECIAL or text != text.strip() or text == ""):
-        return json.dumps(text)  # "no" would be read back as false by PyYAML
-    return text
 
 
 @dataclass(frozen=True)
@@ -196,18 +171,24 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         logging_steps=inputs.logging_steps,
         save_steps=inputs.save_steps,
         save_total_limit=3,
-        extra={k: yaml_scalar(v) for k, v in inputs.extra.items()},
         ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
         ray_logical_cpus=ray_logical_cpus(inputs.hardware),
         report_to=inputs.report_to,
         optimizer_keys=OPTIMIZER_KEYS[plan.optimizer],
     )
+    if inputs.extra:  # --set keys: a key the template writes is replaced in place, never written twice
+        files[recipe_file] = set_top_level_keys(
+            files[recipe_file],
+            inputs.extra,
+            "  # --set: not the task's value",
+            "  # --set: not part of the task's recipe",
+        )
     files["dataset_info.json"] = (
         json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
     )
     hw = inputs.hardware
     env_entries = [
-        (e.name, e.value if e.value.startswith("${") else f'"{e.value}"', e.why)
+        (export_line(e), e.why)
         for e in launch_env(
             plan,
             offline=inputs.offline,
@@ -242,15 +223,38 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
                 rank=rank, host=hw.hosts[rank] if rank < len(hw.hosts) else None, **common
             )
     if hw.has_gpu and plan.world_size > 1 and plan.launcher == "torchrun":
-        files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(cpus=hw.cpu_cores, **common)
+        job_name = re.sub(r"[^A-Za-z0-9._-]", "_", inputs.task.name)  # an #SBATCH line takes no quoting
+        files["sbatch.sh"] = env.get_template("launch/sbatch.sh.j2").render(
+            cpus=hw.cpu_cores, job_name=job_name, **common
+        )
     if plan.launcher == "ray" and hw.nodes > 1:
         files["ray-cluster.sh"] = env.get_template("launch/ray-cluster.sh.j2").render(
             ray_port=6379,
             ray_logical_cpus=ray_logical_cpus(hw),
-            env=[e for e in env_entries if e[0] != "USE_RAY"],
+            env=[e for e in env_entries if not e[0].startswith("export USE_RAY=")],
             **common,
         )
     return files
+
+
+def set_top_level_keys(text: str, values: dict, changed_mark: str, added_mark: str) -> str:
+    """The recipe text with each top-level key of values set to it (a nested old value removed), the rest appended;
+    each changed or added line carries its mark (a YAML comment)."""
+    lines: list[str | None] = text.splitlines()
+    remaining = dict(values)
+    replacing_block = False
+    for i, line in enumerate(lines):
+        if replacing_block and (line.startswith((" ", "\t")) or not line.strip()):
+            lines[i] = None  # the replaced key's old nested value
+            continue
+        replacing_block = False
+        match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):(\s.*)?$", line)
+        if match and match.group(1) in remaining:
+            key = match.group(1)
+            lines[i] = f"{key}: {yaml_scalar(remaining.pop(key))}{changed_mark}"
+            replacing_block = not (match.group(2) or "").split("#")[0].strip()
+    added = [f"{key}: {yaml_scalar(value)}{added_mark}" for key, value in remaining.items()]
+    return "\n".join([line for line in lines if line is not None] + added) + "\n"
 
 
 def ray_logical_cpus(hw) -> int:

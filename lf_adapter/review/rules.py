@@ -294,6 +294,56 @@ def exponent_floats(c: RuleContext) -> None:
             )
 
 
+# keys whose value is a secret (LLaMA-Factory's hub tokens, transformers' hub_token, trackers' API keys)
+SECRET_KEYS = ("hub_token", "hf_hub_token", "ms_hub_token", "om_hub_token", "swanlab_api_key", "wandb_api_key")
+HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")
+LOCAL_TRACKERS = {"none", "tensorboard"}
+
+
+@rule("data_leaves_machine", "secret_in_recipe")
+def data_leaving_the_machine(c: RuleContext) -> None:
+    """Keys that upload the model or the metrics, and secrets written in plain text (never echoed)."""
+    d = c.d
+    for key in ("push_to_hub", "export_hub_model_id"):
+        if d.get(key) not in (None, False, "", "false", "False"):
+            where = d.get("hub_model_id") or d.get("export_hub_model_id") or "a repository named after output_dir"
+            c.add("warning", "data_leaves_machine", f"{key}: the trained model is uploaded to the hub ({where})", key)
+    if d.get("hub_model_id") and not d.get("push_to_hub"):
+        c.add(
+            "warning",
+            "data_leaves_machine",
+            f"hub_model_id {d['hub_model_id']}: names a hub repository to upload to (push_to_hub uploads there)",
+            "hub_model_id",
+        )
+    trackers = d.get("report_to", "none")
+    trackers = [trackers] if isinstance(trackers, str) else list(trackers or [])
+    remote = [str(t) for t in trackers if str(t).lower() not in LOCAL_TRACKERS]
+    if remote:
+        c.add(
+            "warning",
+            "data_leaves_machine",
+            f"report_to {', '.join(remote)}: metrics and run settings go to that service (W&B stays offline only "
+            "where WANDB_MODE=offline, as lfa's launch.sh sets it)",
+            "report_to",
+        )
+    if d.get("use_swanlab") and str(d.get("swanlab_mode", "cloud")).lower() != "local":
+        c.add(
+            "warning", "data_leaves_machine", "use_swanlab without swanlab_mode: local uploads metrics", "use_swanlab"
+        )
+    for key in SECRET_KEYS:
+        if d.get(key):
+            c.add(
+                "error",
+                "secret_in_recipe",
+                f"{key} holds a secret in plain text: anyone who reads the recipe (a PR, a log) can use it; remove "
+                "it and log in where training runs (huggingface-cli login, or HF_TOKEN in the environment)",
+                key,
+            )
+    for key, value in d.items():
+        if key not in SECRET_KEYS and isinstance(value, str) and HF_TOKEN.search(value):
+            c.add("error", "secret_in_recipe", f"{key} holds what looks like a Hugging Face token (hf_...)", key)
+
+
 @rule("path_with_spaces")
 def paths_without_spaces(c: RuleContext) -> None:
     d = c.d

@@ -13,15 +13,15 @@ from pathlib import Path
 
 from .. import UserError
 from .ledger import FINAL_STATES as FINAL
-from .ledger import RunLedger, read_ledger, write_ledger
+from .ledger import LEDGER_NAME, SUPERVISOR_FILE, RunLedger, read_ledger, write_ledger
 from .monitor import FileFollower, fold_event
-from .process import alive, group_alive
+from .process import ProcessRecord, is_recorded_process, record_from_dict, recorded_group_alive
 
 
 def resolve_run_dir(run: str) -> Path:
     """A run directory, or a run name under ./runs."""
     for candidate in (Path(run), Path("runs") / run):
-        if (candidate / "ledger.json").is_file() or (candidate / "supervisor.pid").is_file():
+        if (candidate / LEDGER_NAME).is_file() or (candidate / SUPERVISOR_FILE).is_file():
             return candidate
     where = (
         f"{run} holds no ledger.json"
@@ -79,8 +79,18 @@ def _last_events(run_dir: Path) -> dict:
 
 
 def run_state(ledger: RunLedger) -> str:
-    """The ledger's state, or "dead" when it records no end and its supervisor is gone."""
-    return ledger.status if ledger.status in FINAL or alive(ledger.supervisor_pid) else "dead"
+    """The ledger's state, or "dead" when it records no end and its supervisor is gone (a pid that now belongs to
+    another process counts as gone)."""
+    return ledger.status if ledger.status in FINAL or is_recorded_process(supervisor_record(ledger)) else "dead"
+
+
+def supervisor_record(ledger: RunLedger) -> ProcessRecord | None:
+    return record_from_dict(ledger.supervisor_process)
+
+
+def trainer_record(ledger: RunLedger) -> ProcessRecord | None:
+    """The newest attempt's trainer (its process group leader) as recorded at launch."""
+    return next((record_from_dict(a.trainer_process) for a in reversed(ledger.attempts) if a.trainer_process), None)
 
 
 def run_status(run_dir: Path) -> RunStatus:
@@ -115,30 +125,45 @@ def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
     """Graceful first (SIGINT to the supervisor, which stops the trainer's group: SIGINT, SIGTERM, SIGKILL), then
     forced (SIGKILL to both groups). Returns (what happened, whether any process of the trainer group remains)."""
     ledger = read_ledger(run_dir)
-    supervisor = ledger.supervisor_pid
-    trainers = [a.trainer_pid for a in ledger.attempts if a.trainer_pid]
-    trainer = trainers[-1] if trainers else None
-    if not alive(supervisor) and not group_alive(trainer):
-        return f"not running ({ledger.status})", False
+    supervisor, trainer = supervisor_record(ledger), trainer_record(ledger)
+
+    def supervisor_alive() -> bool:
+        return is_recorded_process(supervisor)
+
+    def trainer_alive() -> bool:
+        return recorded_group_alive(trainer)
+
+    if not supervisor_alive() and not trainer_alive():
+        reused = [
+            f"pid {r.pid} now belongs to another process"
+            for r in (supervisor, trainer)
+            if r is not None and _pid_exists(r.pid) and not is_recorded_process(r)
+        ]
+        return f"not running ({ledger.status}" + "".join(f"; {why}, left alone" for why in reused) + ")", False
     how = "graceful"
-    if alive(supervisor):
-        os.kill(supervisor, signal.SIGINT)
+    if supervisor_alive():
+        os.kill(supervisor.pid, signal.SIGINT)
         deadline = time.time() + timeout_s
-        while time.time() < deadline and (alive(supervisor) or group_alive(trainer)):
+        while time.time() < deadline and (supervisor_alive() or trainer_alive()):
             time.sleep(0.2)
-    if alive(supervisor) or group_alive(trainer):
+    if supervisor_alive() or trainer_alive():
         how = "forced"
-        for pgid in (trainer, supervisor):
-            try:
-                if pgid:
-                    os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # the supervisor leads its own session (detached) or runs in the user's shell: only its pid is signalled
+        for record, signal_it in ((trainer, trainer_alive), (supervisor, supervisor_alive)):
+            if record is not None and signal_it():
+                try:
+                    (os.killpg if record is trainer else os.kill)(record.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         time.sleep(0.5)
         ledger = read_ledger(run_dir)
         ledger.status, ledger.stopped_by = "stopped", "lfa stop (forced)"
         write_ledger(run_dir, ledger)
-    return f"stopped ({how})", group_alive(trainer)
+    return f"stopped ({how})", trainer_alive()
+
+
+def _pid_exists(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
 
 
 def follow_logs(run_dir: Path, follow: bool, lines: int, out, poll_s: float = 0.3) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import UserError
-from ..recipe.keys import launch_env, plan_keys
+from ..recipe.keys import LaunchEnv, export_line, launch_env, plan_keys
 from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
 from ..review.core import recipe_workdir
 from .monitor import Failure, LineReader, classify, failure_classes
@@ -23,6 +23,7 @@ class Diagnosis:
     advice: str = ""
     written: list[str] = field(default_factory=list)  # files of the next attempt
     env: dict = field(default_factory=dict)  # variables the next attempt needs exported
+    exports: list[str] = field(default_factory=list)  # the same as bash `export` lines, values quoted
 
     @property
     def exit_code(self) -> int:
@@ -79,9 +80,12 @@ def diagnose(
         changes["deepspeed"] = write_deepspeed_config(target.parent, nxt.plan, context.model, hw)
         diagnosis.written.append(str(target.parent / changes["deepspeed"]))
     # everything the next plan needs at launch: the seed's run was a plain llamafactory-cli, not lfa's launch.sh
-    diagnosis.env = {e.name: e.value for e in launch_env(nxt.plan, offline=model_dir.is_dir())} | nxt.env
+    entries = [e for e in launch_env(nxt.plan, offline=model_dir.is_dir()) if e.name not in nxt.env]
+    entries += [LaunchEnv(name, value, "the remedy") for name, value in nxt.env.items()]
+    diagnosis.env = {e.name: e.value for e in entries}
+    diagnosis.exports = [export_line(e) for e in entries]
     note = f"{failure.kind} in {log.name}; {remedy.action}: {remedy.why}"
-    notes = [note] + [f"export {k}={v}" for k, v in diagnosis.env.items()]
+    notes = [note, *diagnosis.exports]
     # the plan fields that are no LLaMA-Factory keys (sorted steps, allocator) travel in lfa's header, so that
     # `lfa train` runs the same plan
     meta = {

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .ledger import LEDGER_NAME, SUPERVISOR_FILE
+
 MARKER = ".lfa-output.json"  # written into output_dir at first use: which run owns it
 # what lfa itself leaves in an output_dir before the marker existed: its locks
 LFA_FILES = (".lfa-train.lock",)
@@ -77,9 +79,8 @@ def output_dir_problem(
         return None
     entries = foreign_entries(output_dir)
     if entries and not run_has_history:
-        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
         return (
-            f"output_dir {output_dir} already holds files lfa did not write ({shown}); LLaMA-Factory would "
+            f"output_dir {output_dir} already holds files lfa did not write ({_shown(entries)}); LLaMA-Factory would "
             "overwrite them. Point output_dir at a new or empty folder"
         )
     return None
@@ -92,3 +93,45 @@ def claim_output_dir(output_dir: Path, run_dir: Path, recipe: Path) -> None:
         (output_dir / MARKER).write_text(
             json.dumps({"run_dir": str(run_dir.resolve()), "recipe": str(recipe.resolve())}) + "\n"
         )
+
+
+def _shown(entries: list[str]) -> str:
+    return ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why `lfa train` must not record a run in run_dir (followed through symlinks): an existing folder that holds
+    files but no run of lfa's (no ledger, no detached supervisor's record)."""
+    if not run_dir.is_dir() or any((run_dir / name).is_file() for name in (LEDGER_NAME, SUPERVISOR_FILE)):
+        return None
+    # lfa's own: the lock and the ledger's reserve (a supervisor that stopped before writing a ledger leaves them)
+    entries = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".lfa-"))
+    if not entries:
+        return None
+    return (
+        f"run folder {run_dir} already holds files lfa did not write ({_shown(entries)}); "
+        "pass --run-dir a new or empty folder, or --name another run name"
+    )
+
+
+REPORT_MARK = '<meta name="generator" content="lfa report">'  # in every report.html lfa writes
+
+
+def report_dir_problem(out_dir: Path) -> str | None:
+    """Why `lfa report --out` must not write into out_dir (followed through symlinks): a file, or a folder that
+    holds files but no report of lfa's."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"--out {out_dir} is a file, not a folder"
+    if not out_dir.is_dir():
+        return None
+    entries = sorted(p.name for p in out_dir.iterdir())
+    try:
+        own = REPORT_MARK in (out_dir / "report.html").read_text(errors="replace")
+    except OSError:
+        own = False
+    if not entries or own:
+        return None
+    return (
+        f"--out {out_dir} already holds files lfa did not write ({_shown(entries)}): "
+        "the report's files would overwrite them; pass a new or empty folder"
+    )

@@ -15,6 +15,7 @@ RunState = Literal["new", "starting", "running", "succeeded", "failed", "stopped
 AttemptState = Literal["succeeded", "failed", "stopped", "supervisor died"]
 FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "stopped"})
 LEDGER_NAME = "ledger.json"
+SUPERVISOR_FILE = "supervisor.pid"  # a detached run's supervisor (its ProcessRecord as JSON) until the ledger exists
 
 
 @dataclass
@@ -29,6 +30,7 @@ class AttemptRecord:
     resumed_from: str | None = None
     predicted: dict = field(default_factory=dict)  # tokens_per_s, reserved_gib, budget_gib, memory_gib of the plan
     trainer_pid: int | None = None
+    trainer_process: dict | None = None  # ProcessRecord of the trainer's group leader: pid, start time, command line
     status: AttemptState | None = None  # None while it runs
     log: str | None = None
     first_step: int | None = None
@@ -53,12 +55,14 @@ class RunLedger:
     attempts: list[AttemptRecord] = field(default_factory=list)
     status: RunState = "new"
     supervisor_pid: int | None = None
+    supervisor_process: dict | None = None  # ProcessRecord: pid, start time, command line
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     resolved_recipe: str | None = None
     stopped_by: str | None = None
     # what the checkpoints were trained from: the recipe file's keys and each dataset file's fingerprint
     trained_from: dict = field(default_factory=dict)
+    output_dir: str | None = None  # where the run writes, as it uses it (--set output_dir included)
 
     @property
     def last(self) -> AttemptRecord | None:
@@ -93,10 +97,17 @@ def ledger_from_dict(data: dict) -> RunLedger:
 
 
 def read_ledger(run_dir: Path) -> RunLedger:
-    """The run's ledger; a detached run a moment after its start has only supervisor.pid."""
-    path, pid_file = run_dir / LEDGER_NAME, run_dir / "supervisor.pid"
+    """The run's ledger; a detached run a moment after its start has only supervisor.pid (its ProcessRecord)."""
+    path, pid_file = run_dir / LEDGER_NAME, run_dir / SUPERVISOR_FILE
     if not path.is_file() and pid_file.is_file():
-        return RunLedger(recipe="", status="starting", supervisor_pid=int(pid_file.read_text().strip() or 0))
+        try:
+            record = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            record = None
+        record = record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+        return RunLedger(
+            recipe="", status="starting", supervisor_pid=record and record["pid"], supervisor_process=record
+        )
     try:
         return ledger_from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..plan import Plan
@@ -16,14 +17,11 @@ from ..strategy import Sharding
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
-    """Apply launch_env entries to a copy of the environment, expanding the ${X:-default} forms."""
+    """Apply launch_env entries to a copy of the environment (as launch.sh does: keep_existing values yield to a
+    non-empty value already set)."""
     env = dict(os.environ if base is None else base)
     for entry in entries:
-        value = entry.value
-        if value.startswith("${") and ":-" in value:
-            name, default = value[2:-1].split(":-", 1)
-            value = env.get(name, default)
-        env[entry.name] = value
+        env[entry.name] = (env.get(entry.name) or entry.value) if entry.keep_existing else entry.value
     boot = str(boot_dir())
     env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # LLaMA-Factory relaunches through `torchrun` found on PATH: the one beside this interpreter, venv or not
@@ -155,3 +153,67 @@ def group_alive(pgid: int | None) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """Which process lfa started: its pid with its start time (clock ticks since boot) and command line, so that a
+    pid the kernel gave to another program since is never signalled or trusted."""
+
+    pid: int
+    start: int | None
+    cmdline: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _proc_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _proc_cmdline(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def process_record(pid: int) -> ProcessRecord:
+    """The identity of a live process, to record at launch."""
+    return ProcessRecord(pid, _proc_start(pid), _proc_cmdline(pid))
+
+
+def record_from_dict(data) -> ProcessRecord | None:
+    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+        return None
+    start, cmdline = data.get("start"), data.get("cmdline")
+    return ProcessRecord(
+        data["pid"], start if isinstance(start, int) else None, cmdline if isinstance(cmdline, str) else None
+    )
+
+
+def is_recorded_process(record: ProcessRecord | None) -> bool:
+    """Is the recorded process still running, as the same process (not a later one that got its pid)?"""
+    if record is None or not alive(record.pid):
+        return False
+    if record.start is None:  # a system without /proc: the pid is all there is
+        return True
+    return _proc_start(record.pid) == record.start and (
+        record.cmdline is None or _proc_cmdline(record.pid) == record.cmdline
+    )
+
+
+def recorded_group_alive(record: ProcessRecord | None) -> bool:
+    """Does the recorded trainer's process group remain? Its leader must be the recorded process; a group whose
+    leader has exited is still that group (the kernel does not reuse a pid while its process group exists)."""
+    if record is None:
+        return False
+    if alive(record.pid):
+        return is_recorded_process(record)
+    return group_alive(record.pid)

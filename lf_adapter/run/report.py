@@ -8,6 +8,7 @@ import base64
 import datetime as dt
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,14 +175,15 @@ def _recipe_diff(ledger: RunLedger) -> tuple[str | None, Path | None, Path | Non
             else format_diff(semantic_diff(first.overrides, last.overrides), f"attempt {first.n}", f"attempt {last.n}")
         )
         return overrides, None, None, [f"recipe not readable ({exc}): the diff shows lfa's overrides only"]
-    output_dir = (recipe.folder / str(recipe.data.get("output_dir", "."))).resolve()
-    report_to = recipe.data.get("report_to")
+    # the recipe as the newest attempt ran it (--set keys and remedies are its overrides)
+    data = {**recipe.data, **(ledger.attempts[-1].overrides if ledger.attempts else {})}
+    output_dir = Path(ledger.output_dir) if ledger.output_dir else (recipe.folder / str(data.get("output_dir", ".")))
+    output_dir = output_dir.resolve()
+    report_to = data.get("report_to")
     tensorboard = None
     if report_to == "tensorboard" or (isinstance(report_to, list) and "tensorboard" in report_to):
-        tensorboard = (
-            recipe.folder
-            / str(recipe.data.get("logging_dir") or Path(str(recipe.data.get("output_dir", "."))) / "runs")
-        ).resolve()
+        logging_dir = data.get("logging_dir")
+        tensorboard = (recipe.folder / str(logging_dir) if logging_dir else output_dir / "runs").resolve()
     diff = None
     if first is not None:
         views = [
@@ -658,7 +660,9 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     for name, fig in paths.items():
         fig.tight_layout()
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100)
+        staging = out_dir / f".{name}.png.lfa-tmp"
+        fig.savefig(staging, dpi=100, format="png")
+        os.replace(staging, path)  # replaces a link named like the figure, never writes through it
         plt.close(fig)
         written[name] = path
     return written
@@ -787,5 +791,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[RunReport,
     except ImportError:
         raise UserError("lfa report draws with matplotlib: pip install matplotlib") from None
     page = out_dir / "report.html"
-    page.write_text(render_html(report, figures))
+    staging = out_dir / ".report.html.lfa-tmp"
+    staging.write_text(render_html(report, figures))
+    os.replace(staging, page)
     return report, page

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import errno
 import hashlib
@@ -24,6 +25,8 @@ from ..model_spec import ModelSpec, load_model_spec
 from ..plan import Plan
 from ..planner import predict
 from ..plugin import contract
+from ..quoting import comment_text, host_problem, port_problem, run_name_problem, shell_export
+from ..quoting import yaml_scalar as _scalar
 from ..recipe.keys import launch_env, plan_keys
 from ..recipe.read import (
     Recipe,
@@ -32,17 +35,26 @@ from ..recipe.read import (
     file_fingerprint,
     load_recipe,
     nvme_swap_folders,
-    parse_value,
+    parse_sets,
     plan_from_recipe,
     recipe_hardware,
     recipe_model_spec,
 )
-from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed
-from ..recipe.render import yaml_scalar as _scalar
+from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspeed, set_top_level_keys
 from ..strategy import Sharding
 from ..throughput import speed_basis, within_checked_sizes
-from .guard import claim_output_dir, foreign_entries, output_dir_problem
-from .ledger import LEDGER_NAME, AttemptRecord, RunLedger, read_ledger, release_reserve, reserve_room, write_ledger
+from .control import trainer_record
+from .guard import claim_output_dir, foreign_entries, output_dir_problem, run_dir_problem
+from .ledger import (
+    LEDGER_NAME,
+    SUPERVISOR_FILE,
+    AttemptRecord,
+    RunLedger,
+    read_ledger,
+    release_reserve,
+    reserve_room,
+    write_ledger,
+)
 from .monitor import (
     Failure,
     FileFollower,
@@ -57,9 +69,10 @@ from .monitor import (
     unexplained_kill,
 )
 from .process import (
-    group_alive,
     llamafactory_command,
+    process_record,
     ray_node_address,
+    recorded_group_alive,
     resolve_env,
     start,
     stop_group,
@@ -87,6 +100,7 @@ class TrainRequest:
     master_port: int | None = None
     hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
     stop_on_divergence: bool = False  # stop (and retry) when the loss sits at ln(vocab) or keeps rising
+    detach_check: bool = False  # the checks before a detached start: a damaged ledger is the background run's to say
 
 
 def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
@@ -342,40 +356,22 @@ def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, 
 
 
 def resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
-    lines = recipe.text.splitlines()
-    remaining = dict(changes)
-    replacing_block = False
-    for i, line in enumerate(lines):
-        if replacing_block and (line.startswith((" ", "\t")) or not line.strip()):
-            lines[i] = None  # the replaced key's old nested value
-            continue
-        replacing_block = False
-        match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):(\s.*)?$", line)
-        if match and match.group(1) in remaining:
-            key = match.group(1)
-            lines[i] = f"{key}: {_scalar(remaining.pop(key))}  # lfa train: changed"
-            replacing_block = not (match.group(2) or "").split("#")[0].strip()
-    lines = [line for line in lines if line is not None]
-    header = ["# lfa train resolved this recipe; what changed and why:"] + [f"#   {note}" for note in notes]
-    extra = [f"{key}: {_scalar(value)}  # lfa train: added" for key, value in remaining.items()]
-    return "\n".join(header + lines + extra) + "\n"
+    header = ["# lfa train resolved this recipe; what changed and why:"] + [f"#   {comment_text(n)}" for n in notes]
+    body = set_top_level_keys(recipe.text, changes, "  # lfa train: changed", "  # lfa train: added")
+    return "\n".join(header) + "\n" + body
 
 
 LOCK_NAME = ".lfa-train.lock"
 
 
-def run_folders(request: TrainRequest, recipe: Recipe) -> tuple[Path, Path]:
+def run_folders(request: TrainRequest, recipe: Recipe, name: str) -> tuple[Path, Path]:
     """The run folder (created) and output_dir (checked: lfa never writes into a folder it did not create), before
-    anything else is written. UserError with one message otherwise."""
-    name = request.name or recipe.folder.resolve().name
+    anything else is written. recipe: as the run uses it (--set keys applied). UserError with one message
+    otherwise."""
     run_dir = (request.run_dir or Path("runs") / name).resolve()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), run_dir)
-        raise UserError(
-            f"cannot make the run folder {run_dir}: {blocker} is a file; move it or pass --run-dir"
-        ) from None
+    problem = run_dir_problem(run_dir)
+    if problem:
+        raise UserError(problem)
     output_dir = (recipe.folder / str(recipe.data["output_dir"])).resolve()
     holder = lock_holder(run_dir, output_dir)
     if holder:  # say who runs there before saying whose folder it is
@@ -390,6 +386,13 @@ def run_folders(request: TrainRequest, recipe: Recipe) -> tuple[Path, Path]:
     problem = output_dir_problem(output_dir, recipe.folder, run_dir, history, shared=request.node_rank is not None)
     if problem:
         raise UserError(problem)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), run_dir)
+        raise UserError(
+            f"cannot make the run folder {run_dir}: {blocker} is a file; move it or pass --run-dir"
+        ) from None
     return run_dir, output_dir
 
 
@@ -446,14 +449,13 @@ def end_orphaned_trainer(run_dir: Path) -> str | None:
     if not (run_dir / LEDGER_NAME).is_file():
         return None
     try:
-        attempts = read_ledger(run_dir).attempts
+        trainer = trainer_record(read_ledger(run_dir))
     except UserError:
         return None
-    trainer = next((a.trainer_pid for a in reversed(attempts) if a.trainer_pid), None)
-    if not group_alive(trainer):
+    if not recorded_group_alive(trainer):  # a pid that now belongs to another program is not ours to signal
         return None
-    stop_process_group(trainer)
-    return f"ended the orphaned trainer (process group {trainer}) of a supervisor that died, before starting again"
+    stop_process_group(trainer.pid)
+    return f"ended the orphaned trainer (process group {trainer.pid}) of a supervisor that died, before starting again"
 
 
 def disk_shortfall(output_dir: Path, model: ModelSpec | None, plan: Plan, recipe: Recipe) -> str | None:
@@ -503,8 +505,8 @@ def swap_shortfall(folder: Path, deepspeed_file: str | None, model: ModelSpec | 
 
 
 def training_inputs(recipe: Recipe) -> dict:
-    """What a run's checkpoints come from: the recipe file's keys (--set keys are said on the command line, so
-    they are not part of it) and a fingerprint of each dataset file."""
+    """What a run's checkpoints come from: the recipe's keys as the run uses them (--set keys applied) and a
+    fingerprint of each dataset file."""
     return {
         "recipe": json.loads(json.dumps(recipe.data, default=str)),
         "datasets": {str(path.resolve()): file_fingerprint(path) for path in dataset_files(recipe)},
@@ -671,27 +673,79 @@ def finish_run(run_dir: Path, reporter: Reporter) -> None:
             reporter.event("summary", line)
 
 
+@dataclass
+class Preflight:
+    """The checks before anything starts, on the recipe as the run uses it (--set keys applied)."""
+
+    recipe: Recipe  # the file
+    hardware: HardwareProfile  # --hardware, else the recipe's own
+    user_keys: dict  # --set
+    effective: Recipe  # the recipe with --set keys: what every check and the first attempt's plan read
+    name: str
+    run_dir: Path
+    output_dir: Path
+    ledger: RunLedger
+    trained_from: dict
+
+
+def rendezvous_problems(request: TrainRequest) -> list[str]:
+    """--master-addr and --master-port reach the trainers' environment: a host name or address, a port."""
+    problems = []
+    if request.master_addr is not None and (problem := host_problem(request.master_addr)):
+        problems.append(f"--master-addr {problem}")
+    if request.master_port is not None and (problem := port_problem(request.master_port)):
+        problems.append(f"--master-port {problem}")
+    return problems
+
+
+def preflight(request: TrainRequest) -> Preflight:
+    """Read the recipe and its --set keys, make the run folder, and refuse (UserError, one message) an output_dir
+    lfa may not write into, one in use, a dataset LLaMA-Factory would fail on, or a resume under changed inputs."""
+    recipe = load_recipe(request.recipe)
+    user_keys = parse_sets(request.overrides)
+    problems = rendezvous_problems(request)
+    if problems:
+        raise UserError("; ".join(problems))
+    hardware = recipe_hardware(recipe, request.hardware)
+    # --set keys are part of the recipe this run starts from: every check, the plan and every remedy start from
+    # them, and a remedy's change wins over them on the next attempt
+    effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
+    if "output_dir" not in effective.data:
+        raise UserError(f"{recipe.path} has no output_dir")
+    name = request.name or recipe.folder.resolve().name
+    problem = run_name_problem(name)
+    if problem:
+        raise UserError(f"run name {problem}")
+    run_dir, output_dir = run_folders(request, effective, name)
+    try:
+        ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
+    except UserError:
+        if request.detach_check:
+            ledger = RunLedger("")
+        else:
+            raise
+    refuse_bad_dataset(effective)  # both before anything is locked, created or renamed
+    trained_from = refuse_changed_resume(request, effective, ledger, output_dir)
+    return Preflight(recipe, hardware, user_keys, effective, name, run_dir, output_dir, ledger, trained_from)
+
+
 def prepare(request: TrainRequest) -> RunSetup:
     """Everything before the first attempt: the recipe and its plan, the run folder and its locks, the ledger, what
     remedies need to know. Raises UserError on bad input, before anything runs."""
     problems = ladder_problems()  # a misspelled remedy would only be skipped in the middle of a failing run
     if problems:
         raise UserError("failures/classes.yaml: " + "; ".join(problems))
-    recipe = load_recipe(request.recipe)
-    hardware = recipe_hardware(recipe, request.hardware)
-    if "output_dir" not in recipe.data:
-        raise UserError(f"{recipe.path} has no output_dir")
-    name = request.name or recipe.folder.resolve().name
-    run_dir, output_dir = run_folders(request, recipe)
-    ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
-    refuse_bad_dataset(recipe)  # both before anything is locked, created or renamed
-    trained_from = refuse_changed_resume(request, recipe, ledger, output_dir)
+    checked = preflight(request)
+    recipe, effective, user_keys = checked.recipe, checked.effective, checked.user_keys
+    name, run_dir, output_dir, ledger = checked.name, checked.run_dir, checked.output_dir, checked.ledger
+    hardware, trained_from = checked.hardware, checked.trained_from
     locks = hold_run_locks(run_dir, output_dir, request.node_rank)
     claim_output_dir(output_dir, run_dir, recipe.path)
     ended_orphan = end_orphaned_trainer(run_dir)
     if request.fresh:  # what earlier attempts wrote is moved aside, never deleted
         set_aside_previous_output(output_dir)
     ledger.trained_from = trained_from
+    ledger.output_dir = str(output_dir)
     rendezvous_env = {
         name: str(value)
         for name, value in (
@@ -704,24 +758,15 @@ def prepare(request: TrainRequest) -> RunSetup:
     if request.node_rank is not None and not 0 <= request.node_rank < hardware.nodes:
         raise UserError(f"--node-rank {request.node_rank}: the recipe's hardware has {hardware.nodes} node(s)")
     reporter = Reporter(request.json_events)
-    user_keys = {}
-    for item in request.overrides:
-        if "=" not in item:
-            raise UserError(f"--set {item!r}: expected key=value")
-        key, value = item.split("=", 1)
-        user_keys[key] = parse_value(value)
-    model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
-    trained_model = trained_model_spec(recipe)
+    model_dir = recipe.folder / str(effective.data.get("model_name_or_path", ""))
+    trained_model = trained_model_spec(effective)
     context = recovery_context(
-        recipe,
+        effective,
         hardware,
         trained_model,
         liger_available=installed_versions().get("liger-kernel") is not None,
         allow_hparam_change=request.allow_hparam_change,
     )
-    # --set keys are part of the recipe this run starts from: the plan (and every remedy) starts from them, and a
-    # remedy's change wins over them on the next attempt
-    effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
     attempt = Attempt(plan_from_recipe(effective, hardware))
     launch_keys = {}
     if (
@@ -869,6 +914,7 @@ def run_and_classify(
 
     def on_start(pid):
         record.trainer_pid = pid
+        record.trainer_process = process_record(pid).to_dict()
         setup.save()
 
     oom_kills_before = cgroup_oom_kills()
@@ -911,7 +957,7 @@ def finish_success(setup: RunSetup, state: LoopState, launch: Launch, record: At
         recipe = setup.recipe
         resolved = recipe.path.with_name(recipe.path.stem + ".resolved.yaml")
         env_notes = [
-            f"export {k}={v}  (set by lfa train; keep it when launching this file yourself)"
+            f"{shell_export(k, v)}  (set by lfa train; keep it when launching this file yourself)"
             for k, v in record.env.items()
             if k.startswith(("PYTORCH_", "LFA_", "HF_", "FORCE_"))
         ]
@@ -999,6 +1045,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
     for earlier in ledger.attempts:  # attempts of a supervisor that died (kill -9) never got a status
         earlier.status = earlier.status or "supervisor died"
     ledger.status, ledger.supervisor_pid, ledger.error, ledger.name = "running", os.getpid(), None, setup.name
+    ledger.supervisor_process = process_record(os.getpid()).to_dict()
     if setup.ended_orphan:
         ledger.notes.append(setup.ended_orphan)
         reporter.event("orphan", f"lfa: {setup.ended_orphan}", note=setup.ended_orphan)
@@ -1088,17 +1135,8 @@ class DetachedRun:
 
 def start_detached(request: TrainRequest) -> DetachedRun:
     """Re-run `lfa train` without --detach in a new session: it survives logout (no nohup needed)."""
-    name = request.name or request.recipe.resolve().parent.name
-    recipe = load_recipe(request.recipe)
-    if "output_dir" not in recipe.data:
-        raise UserError(f"{recipe.path} has no output_dir")
-    run_dir, output_dir = run_folders(request, recipe)  # refuses a run in use: the background one only would
-    try:
-        ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger("")
-    except UserError:
-        ledger = RunLedger("")
-    refuse_bad_dataset(recipe)
-    refuse_changed_resume(request, recipe, ledger, output_dir)
+    checked = preflight(dataclasses.replace(request, detach_check=True))  # the background run would only fail
+    name, run_dir = checked.name, checked.run_dir
     args = [
         sys.executable,
         "-m",
@@ -1130,5 +1168,5 @@ def start_detached(request: TrainRequest) -> DetachedRun:
             start_new_session=True,
             cwd=os.getcwd(),
         )
-    (run_dir / "supervisor.pid").write_text(str(process.pid))
+    (run_dir / SUPERVISOR_FILE).write_text(json.dumps(process_record(process.pid).to_dict()))
     return DetachedRun(name, run_dir, process.pid)

@@ -7,15 +7,15 @@ set -euo pipefail
 # Ray workers inherit the environment of `ray start`, not of launch.sh: the lfa plugin (custom chat templates,
 # sorted steps) and the launch settings must be exported here too
 export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir())')${PYTHONPATH:+:$PYTHONPATH}"
-export DISABLE_VERSION_CHECK="1"
-export NCCL_NVLS_ENABLE="0"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
-export NVSHMEM_DISABLE_NVLS="1"
-export LFA_DROP_PADDING_MASK="1"
-export LFA_PADDING_FREE="1"
-export LFA_SORTED_STEPS="1"
-export OPTIM_TORCH="0"
-export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+export DISABLE_VERSION_CHECK=1
+export NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+export LFA_DROP_PADDING_MASK=1
+export LFA_PADDING_FREE=1
+export LFA_SORTED_STEPS=1
+export OPTIM_TORCH=0
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 case "${1:-}" in
   # --num-cpus: LLaMA-Factory 0.9.5 reserves 10 CPUs per GPU worker (logical CPUs; Ray waits forever without them)
   head) ray start --head --port=6379 --num-cpus=96 ;;

@@ -5,6 +5,6 @@
 set -euo pipefail
 # rendezvous fixed for every node: node 0's address and one port (LLaMA-Factory picks a random port otherwise)
 export NODE_RANK=0
-export MASTER_ADDR="${MASTER_ADDR:-gpu-node-0}"
-export MASTER_PORT="${MASTER_PORT:-29500}"
+export MASTER_ADDR=${MASTER_ADDR:-gpu-node-0}
+export MASTER_PORT=${MASTER_PORT:-29500}
 exec "$(dirname "$0")/launch.sh" "$@"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 # the lfa plugin registers custom chat templates inside every process, torchrun workers included
 export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir())')${PYTHONPATH:+:$PYTHONPATH}"
 # lfa pins and tests the stack; LF's check rejects newer torch/transformers
-export DISABLE_VERSION_CHECK="1"
+export DISABLE_VERSION_CHECK=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
-export LFA_DROP_PADDING_MASK="1"
+export LFA_DROP_PADDING_MASK=1
 exec llamafactory-cli train train.yaml "$@"

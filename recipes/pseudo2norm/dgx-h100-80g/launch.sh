@@ -6,33 +6,33 @@ cd "$(dirname "$0")"
 # the lfa plugin registers custom chat templates inside every process, torchrun workers included
 export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir())')${PYTHONPATH:+:$PYTHONPATH}"
 # lfa pins and tests the stack; LF's check rejects newer torch/transformers
-export DISABLE_VERSION_CHECK="1"
+export DISABLE_VERSION_CHECK=1
 # LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself
-export FORCE_TORCHRUN="1"
+export FORCE_TORCHRUN=1
 # processes on this node = GPUs per node
-export NPROC_PER_NODE="8"
+export NPROC_PER_NODE=8
 # nodes in the job
-export NNODES="1"
+export NNODES=1
 # this node's rank
-export NODE_RANK="0"
+export NODE_RANK=0
 # rendezvous host (node 0)
 export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 # fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node
 export MASTER_PORT=${MASTER_PORT:-29500}
 # NVLink multicast off
-export NCCL_NVLS_ENABLE="0"
+export NCCL_NVLS_ENABLE=0
 # NVLink multicast off
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVLink multicast off
-export NVSHMEM_DISABLE_NVLS="1"
+export NVSHMEM_DISABLE_NVLS=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
-export LFA_DROP_PADDING_MASK="1"
+export LFA_DROP_PADDING_MASK=1
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
-export LFA_PADDING_FREE="1"
+export LFA_PADDING_FREE=1
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
-export LFA_SORTED_STEPS="1"
+export LFA_SORTED_STEPS=1
 # otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children
-export OPTIM_TORCH="0"
+export OPTIM_TORCH=0
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
-export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 exec llamafactory-cli train train.yaml "$@"

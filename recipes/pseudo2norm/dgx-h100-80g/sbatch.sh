@@ -11,6 +11,7 @@ set -euo pipefail
 mkdir -p runs
 # node 0 is the rendezvous host; one port for every node
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_PORT="${MASTER_PORT:-29500}"
-# one lfa supervisor per node: it launches torchrun there, classifies failures and resumes from checkpoints
-srun --kill-on-bad-exit=1 bash -c 'exec lfa train train.yaml --node-rank "$SLURM_NODEID" --run-dir "runs/pseudo2norm-$SLURM_JOB_ID-node$SLURM_NODEID"'
+export MASTER_PORT=${MASTER_PORT:-29500}
+# one lfa supervisor per node (torchrun there, failures classified, resumes); recipe and run name are arguments
+srun --kill-on-bad-exit=1 bash -c 'exec lfa train "$1" --node-rank "$SLURM_NODEID" --run-dir "runs/$2-$SLURM_JOB_ID-node$SLURM_NODEID"' \
+    lfa-node train.yaml pseudo2norm

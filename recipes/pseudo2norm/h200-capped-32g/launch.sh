@@ -6,17 +6,17 @@ cd "$(dirname "$0")"
 # the lfa plugin registers custom chat templates inside every process, torchrun workers included
 export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir())')${PYTHONPATH:+:$PYTHONPATH}"
 # lfa pins and tests the stack; LF's check rejects newer torch/transformers
-export DISABLE_VERSION_CHECK="1"
+export DISABLE_VERSION_CHECK=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
-export LFA_DROP_PADDING_MASK="1"
+export LFA_DROP_PADDING_MASK=1
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
-export LFA_PADDING_FREE="1"
+export LFA_PADDING_FREE=1
 # lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens (same rows per step)
-export LFA_TOKEN_BUDGET="16384"
+export LFA_TOKEN_BUDGET=16384
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS="23"
+export LFA_CHECKPOINT_LAYERS=23
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
-export LFA_SORTED_STEPS="1"
+export LFA_SORTED_STEPS=1
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
-export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 exec llamafactory-cli train train.yaml "$@"
