@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
 # build the assets, run a bench; results land in $OUT.
-# usage: bash bench/device_run.sh calibrate|seed [extra args]
+# usage: bash bench/device_run.sh calibrate|seed|offload|zoo [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -14,7 +14,11 @@ df -h /tmp | tail -1
 nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,noheader
 cmd=$1; shift
 # offload.py builds the shapes its runs need; the other benches start from the 1.3B
-[ "$cmd" = offload ] || [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning
+case "$cmd" in
+  offload) ;;
+  zoo) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
+  *) [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning ;;
+esac
 if [ "$cmd" = calibrate ]; then
   [ -f $W/model_350m/config.json ] || python3 bench/make_assets.py $W 350m 2>&1 | grep -v Warning
   case " $* " in *6.7b*) [ -f $W/model_6.7b/config.json ] || python3 bench/make_assets.py $W 6.7b 2>&1 | grep -v Warning;; esac
@@ -34,6 +38,10 @@ fi
 if [ "$cmd" = offload ]; then  # offload.py builds the model shapes its runs need
   timeout ${BENCH_TIMEOUT:-560} python3 bench/offload.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|Traceback|Error" | tee $OUT/offload.txt
   (cd $OUT && tar czf offload_logs.tgz *.log && rm -f *.log)
+fi
+if [ "$cmd" = zoo ]; then  # model_zoo.py builds each zoo model, runs it, deletes it
+  timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|capped)|^model |Traceback|Error" | tee $OUT/zoo.txt
+  (cd $OUT && tar czf zoo_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = seed ]; then
   timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^profile |^[a-z0-9_#.]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt

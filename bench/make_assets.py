@@ -39,6 +39,7 @@ ft = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_tok
 ft.save_pretrained(f"{out}/model")
 lens = [len(ft(r["input"] + r["output"])["input_ids"]) for r in rows]
 lens.sort(); print("tokens/sample p50", lens[len(lens)//2], "p90", lens[int(len(lens)*.9)], "max", lens[-1], "mean", sum(lens)/len(lens))
+if size == "none": sys.exit(0)  # the tokenizer and data only (model_zoo.py builds its own models)
 shape = {"350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
          "1.3b": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
          "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),

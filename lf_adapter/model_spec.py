@@ -12,6 +12,16 @@ from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
 
+# decoder families whose MLP is up -> activation -> down (no gate); the rest gate it (SwiGLU/GeGLU: three matrices)
+UNGATED_MLP = frozenset({"starcoder2", "gpt_bigcode", "gpt_neox", "gpt2", "phi", "opt", "falcon", "bloom"})
+# families whose norms are LayerNorm (weight and bias) rather than RMSNorm (weight only)
+LAYER_NORM = frozenset({"starcoder2", "gpt_bigcode", "gpt_neox", "gpt2", "phi", "opt", "falcon", "bloom"})
+# families with a norm before and after both the attention and the MLP (four per layer instead of two)
+SANDWICH_NORMS = frozenset({"gemma2", "gemma3", "gemma3_text", "olmo2"})
+# families that normalize each head's queries and keys (a weight of head_dim each)
+QK_NORM = frozenset({"qwen3", "olmo2", "gemma3", "gemma3_text"})
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -23,19 +33,34 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     tied_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v
     torch_dtype: str | None = None  # the checkpoint's dtype (config.json); what LLaMA-Factory loads it in
+    explicit_head_dim: int | None = None  # config.json's head_dim where heads x head_dim is not the hidden size
+    output_bias: bool = False  # biases on the attention output and the MLP (StarCoder2's use_bias)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.arch not in UNGATED_MLP
 
     @property
     def params_per_layer(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h  # two RMSNorm weights
+        """Weights and biases of one decoder layer, as the family's modeling code builds them."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.output_bias else 0)
+        mlp = (3 if self.gated_mlp else 2) * h * f + ((f + h) if self.output_bias else 0)
+        norms = (4 if self.arch in SANDWICH_NORMS else 2) * self.norm_params + (
+            2 * self.head_dim if self.arch in QK_NORM else 0
+        )
+        return attn + mlp + norms
+
+    @property
+    def norm_params(self) -> int:
+        return (2 if self.arch in LAYER_NORM else 1) * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
@@ -44,13 +69,15 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         lm_head = 0 if self.tied_embeddings else self.embedding_params
-        return self.embedding_params + self.num_layers * self.params_per_layer + self.hidden_size + lm_head
+        return self.embedding_params + self.num_layers * self.params_per_layer + self.norm_params + lm_head
 
     def flops_per_token(self, seq_len: int, weight_gradients: bool = True) -> float:
-        """Training FLOPs per token: 6 x (non-embedding params + lm_head) + attention 12*L*h*s (fwd+bwd). Without
-        weight gradients (BAdam: one layer's only) the backward computes input gradients alone: 4 x params."""
+        """Training FLOPs per token: 6 x (non-embedding params + lm_head) + attention 12*L*(heads x head_dim)*s
+        (fwd+bwd). Without weight gradients (BAdam: one layer's only) the backward computes input gradients alone:
+        4 x params."""
         matmul_params = self.num_layers * self.params_per_layer + self.embedding_params
-        return (6.0 if weight_gradients else 4.0) * matmul_params + 12.0 * self.num_layers * self.hidden_size * seq_len
+        attention_width = self.num_heads * self.head_dim
+        return (6.0 if weight_gradients else 4.0) * matmul_params + 12.0 * self.num_layers * attention_width * seq_len
 
 
 def _dtype_name(value: object) -> str | None:
@@ -71,8 +98,12 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            attention_bias=bool(
+                cfg.get("attention_bias", cfg.get("use_bias", (cfg.get("model_type") or cfg.get("arch")) == "qwen2"))
+            ),
             torch_dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype")),
+            explicit_head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
+            output_bias=bool(cfg.get("use_bias", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
@@ -89,6 +120,8 @@ CATALOG_KEYS = (
     "tie_word_embeddings",
     "attention_bias",
     "torch_dtype",
+    "head_dim",
+    "use_bias",
 )
 
 

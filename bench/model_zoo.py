@@ -1,0 +1,274 @@
+"""Model zoo (device): random-weight models with the config.json shapes of public dense families, each trained on
+lfa's default plan for the whole H200 and for the capped 31.73 GiB card (fp16, the seed's card), a few steps each.
+One row per (model, hardware): lfa's predicted peak reserved memory and tokens/s next to the measured ones, and
+whether the plan fit on its first try. Rows accumulate in OUT/model_zoo.json (a later call adds its rows).
+
+The tokenizer and data are the other benches' (make_assets.py: a 16k BPE, 800 pseudo2norm-shaped rows, cutoff
+2048); every zoo vocabulary is larger than the tokenizer's, so the ids fit. Each model folder is deleted after its
+runs (the device disk is 64 GiB).
+
+usage: python bench/model_zoo.py ASSETS_DIR OUT_DIR [--only NAME,...] [--hardware h200,capped] [--steps 5]
+       python bench/model_zoo.py --table bench/results/model_zoo.json      # here: the table for bench/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seed_scenario import CAP_GIB, lfa, measure  # noqa: E402
+
+# config.json shapes of the published checkpoints (the fields that set memory and speed; weights are random)
+ZOO: dict[str, dict] = {
+    "meta-llama/Llama-3.2-3B": dict(
+        model_type="llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen/Qwen2.5-Coder-3B": dict(
+        model_type="qwen2",
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "Qwen/Qwen3-1.7B": dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+    ),
+    "microsoft/Phi-3-mini-4k-instruct": dict(
+        model_type="phi3",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32064,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        pad_token_id=2,
+    ),
+    "google/gemma-2-2b": dict(
+        model_type="gemma2",
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=256000,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+        max_position_embeddings=8192,
+    ),
+    "bigcode/starcoder2-3b": dict(
+        model_type="starcoder2",
+        hidden_size=3072,
+        intermediate_size=12288,
+        num_hidden_layers=30,
+        num_attention_heads=24,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        use_bias=True,
+        hidden_act="gelu_pytorch_tanh",
+        norm_epsilon=1e-5,
+        rope_theta=999999.4420358813,
+        sliding_window=4096,
+        max_position_embeddings=16384,
+    ),
+}
+# hardware label -> (lfa profile, generate arguments, capped allocator)
+HARDWARE = {"h200": ("h200", [], False), "capped": ("h200-capped-32g", ["--precision", "fp16"], True)}
+
+
+def build_model(assets: Path, name: str) -> Path:
+    """A random-weight bf16 checkpoint of the zoo shape `name`, beside the bench tokenizer (assets/model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = assets / ("zoo_" + name.replace("/", "__"))
+    if (folder / "config.json").exists():
+        return folder
+    shape = {"pad_token_id": 2, **ZOO[name]}  # the bench tokenizer's <pad>, <bos> and <eos> ids
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
+    config.dtype = torch.bfloat16
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    for tokenizer_file in (assets / "model").glob("tokenizer*"):
+        shutil.copy(tokenizer_file, folder / tokenizer_file.name)
+    for extra in ("special_tokens_map.json",):
+        if (assets / "model" / extra).exists():
+            shutil.copy(assets / "model" / extra, folder / extra)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def run_one(name: str, hardware: str, model_dir: Path, work: Path, out: Path, steps: int) -> dict:
+    """lfa generate (the default plan) + lfa train on one zoo model; the row for model_zoo.json."""
+    from lf_adapter.model_spec import load_model_spec
+
+    profile, gen_args, capped = HARDWARE[hardware]
+    key = f"{name.split('/')[-1]}-{hardware}"
+    folder, run_dir = work / key, work / "runs" / key
+    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    if capped:
+        env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
+    row = {"model": name, "model_type": ZOO[name]["model_type"], "hardware": profile}
+    row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
+    gen_rc = lfa(
+        "generate", "--task", "pseudo2norm", "--model", str(model_dir), "--dataset", str(work.parent / "pseudo2norm.jsonl"),
+        "--hardware", profile, *gen_args, "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+        "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force",
+        log=out / f"{key}.gen.log",
+    )  # fmt: skip
+    if gen_rc != 0:
+        row.update(plan=None, first_try_fit=None, note=(out / f"{key}.gen.log").read_text()[-600:])
+        return row
+    started = time.time()
+    rc = lfa("train", str(folder / "train.yaml"), "--run-dir", str(run_dir), "--max-attempts", "2", env=env,
+             log=out / f"{key}.log")  # fmt: skip
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    attempts = ledger["attempts"]
+    meta = json.loads(
+        next(line[12:] for line in (folder / "train.yaml").read_text().splitlines() if line.startswith("# lfa-meta: "))
+    )
+    first = attempts[0] if attempts else {}
+    row.update(
+        plan=first.get("plan"),
+        lfa_train_rc=rc,
+        attempts=len(attempts),
+        first_try_fit=bool(attempts) and first.get("failure") is None,
+        first_failure=(first.get("failure") or {}).get("kind"),
+        predicted_reserved_gib=meta.get("predicted_reserved_gib"),
+        predicted_tokens_per_s=meta.get("predicted_tokens_per_s"),
+        wall_s=round(time.time() - started, 1),
+    )
+    for i, attempt in enumerate(attempts, 1):
+        shutil.copy(run_dir / attempt["log"], out / f"{key}-attempt-{i}.log")
+    if attempts:
+        measured = measure(
+            folder / "train.yaml",
+            (run_dir / attempts[-1]["log"]).read_text(errors="replace"),
+            run_dir / "events.jsonl",
+            load_model_spec(str(model_dir)),
+        )
+        row.update(
+            peak_reserved_gib=measured.get("peak_reserved_gib"),
+            peak_allocated_gib=measured.get("peak_allocated_gib"),
+            steady_tokens_per_s=measured.get("steady_tokens_per_s"),
+            mfu=measured.get("mfu"),
+            oom=measured.get("oom"),
+            memory_items_gib=first.get("predicted", {}).get("memory_gib"),
+        )
+    for key_name, (p, m) in {"reserved_error": ("predicted_reserved_gib", "peak_reserved_gib"),
+                             "speed_error": ("predicted_tokens_per_s", "steady_tokens_per_s")}.items():  # fmt: skip
+        if row.get(p) and row.get(m):
+            row[key_name] = round(row[m] / row[p] - 1.0, 4)  # measured over predicted, -1
+    shutil.rmtree(folder / "saves", ignore_errors=True)
+    return row
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    return f"{100 * value:+.1f}%" if fmt == "%" else format(value, fmt)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'model':34s} {'hardware':16s} {'plan':52s} {'fit1':>5s} {'pred GiB':>8s} {'peak GiB':>8s} {'err':>7s} "
+        f"{'pred tok/s':>10s} {'tok/s':>8s} {'err':>7s} {'fit':>3s}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:34s} {r.get('hardware', '-'):16s} {str(r.get('plan'))[:52]:52s} "
+            f"{str(r.get('first_try_fit'))[:5]:>5s} {_cell(r, 'predicted_reserved_gib', '.2f'):>8s} "
+            f"{_cell(r, 'peak_reserved_gib', '.2f'):>8s} {_cell(r, 'reserved_error', '%'):>7s} "
+            f"{_cell(r, 'predicted_tokens_per_s', ',.0f'):>10s} {_cell(r, 'steady_tokens_per_s', ',.0f'):>8s} "
+            f"{_cell(r, 'speed_error', '%'):>7s} {'yes' if r.get('used_for_fit') else 'no':>3s}"
+        )
+        if r.get("note"):
+            print(f"    note: {r['note'][:300]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("assets", type=Path, nargs="?")
+    parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--only", default="", help="zoo names (or their last part), comma-separated")
+    parser.add_argument("--hardware", default="h200,capped")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--table", type=Path, help="print the table of a model_zoo.json and exit")
+    args = parser.parse_args()
+    if args.table:
+        print_table(json.loads(args.table.read_text()))
+        return
+    names = [n for n in ZOO if not args.only or n in args.only.split(",") or n.split("/")[-1] in args.only.split(",")]
+    work = args.assets / "zoo"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "model_zoo.json"
+    rows = json.loads(results.read_text()) if results.exists() else []
+    for name in names:
+        started = time.time()
+        try:
+            model_dir = build_model(args.assets, name)
+        except Exception as exc:  # a family this transformers cannot build: a row that says so
+            rows.append({"model": name, "model_type": ZOO[name]["model_type"], "note": f"not built: {exc!r}"[:400]})
+            results.write_text(json.dumps(rows, indent=1))
+            continue
+        print(f"BENCH built {name} in {time.time() - started:.0f}s", flush=True)
+        for hardware in args.hardware.split(","):
+            started = time.time()
+            row = run_one(name, hardware, model_dir, work, args.out, args.steps)
+            rows.append(row)
+            results.write_text(json.dumps(rows, indent=1))
+            print(f"BENCH {name} {hardware} in {time.time() - started:.0f}s: {json.dumps(row)[:500]}", flush=True)
+        shutil.rmtree(model_dir, ignore_errors=True)  # the device disk holds a few checkpoints at most
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
