@@ -11,7 +11,6 @@ import yaml
 from . import UserError, catalog_dir
 from .schema import raise_problems, unknown_keys
 
-
 # decoder families whose MLP is up -> activation -> down (no gate); the rest gate it (SwiGLU/GeGLU: three matrices)
 UNGATED_MLP = frozenset({"starcoder2", "gpt_bigcode", "gpt_neox", "gpt2", "phi", "opt", "falcon", "bloom"})
 # families whose norms are LayerNorm (weight and bias) rather than RMSNorm (weight only)
