@@ -157,7 +157,8 @@ def run_one(name: str, hardware: str, model_dir: Path, work: Path, out: Path, st
     row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
     gen_rc = lfa(
         "generate", "--task", "pseudo2norm", "--model", str(model_dir),
-        "--dataset", str(work.parent / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args, "--set", f"max_steps={steps}", "--set", "save_strategy=no",
+        "--dataset", str(work.parent / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args,
+        "--set", f"max_steps={steps}", "--set", "save_strategy=no",
         "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force",
         log=out / f"{key}.gen.log",
     )  # fmt: skip
