@@ -8,7 +8,7 @@ The tokenizer and data are the other benches' (make_assets.py: a 16k BPE, 800 ps
 runs (the device disk is 64 GiB).
 
 usage: python bench/model_zoo.py ASSETS_DIR OUT_DIR [--only NAME,...] [--hardware h200,capped] [--steps 5]
-       python bench/model_zoo.py --table bench/results/model_zoo.json      # here: the table for bench/README.md
+       python bench/model_zoo.py --table bench/results/model_zoo.json --reprice  # here: the table, priced again
 """
 
 from __future__ import annotations
@@ -216,10 +216,25 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return f"{100 * value:+.1f}%" if fmt == "%" else format(value, fmt)
 
 
+def reprice(rows: list[dict]) -> None:
+    """Each measured row's plan priced again by the memory model as it is now (repriced_reserved_gib): how a refit
+    does on rows it was not fitted on. The zoo shapes come from lfa's catalog (the same hub names)."""
+    from lf_adapter.memory import estimate
+    from lf_adapter.model_spec import load_model_spec
+    from lf_adapter.plan import Plan
+
+    for r in rows:
+        if r.get("plan") and r.get("peak_reserved_gib") and r.get("lfa_train_rc") == 0 and r.get("attempts") == 1:
+            plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
+            vram = CAP_GIB if "capped" in r["hardware"] else None
+            r["repriced_reserved_gib"] = round(estimate(load_model_spec(r["model"]), plan, 2048, vram).reserved_gib, 2)
+            r["repriced_error"] = round(r["peak_reserved_gib"] / r["repriced_reserved_gib"] - 1.0, 4)
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'model':34s} {'hardware':16s} {'plan':52s} {'fit1':>5s} {'pred GiB':>8s} {'peak GiB':>8s} {'err':>7s} "
-        f"{'pred tok/s':>10s} {'tok/s':>8s} {'err':>7s} {'fit':>3s}"
+        f"{'pred tok/s':>10s} {'tok/s':>8s} {'err':>7s} {'fit':>3s} {'now GiB':>8s} {'err':>7s}"
     )
     for r in rows:
         print(
@@ -227,7 +242,8 @@ def print_table(rows: list[dict]) -> None:
             f"{str(r.get('first_try_fit'))[:5]:>5s} {_cell(r, 'predicted_reserved_gib', '.2f'):>8s} "
             f"{_cell(r, 'peak_reserved_gib', '.2f'):>8s} {_cell(r, 'reserved_error', '%'):>7s} "
             f"{_cell(r, 'predicted_tokens_per_s', ',.0f'):>10s} {_cell(r, 'steady_tokens_per_s', ',.0f'):>8s} "
-            f"{_cell(r, 'speed_error', '%'):>7s} {'yes' if r.get('used_for_fit') else 'no':>3s}"
+            f"{_cell(r, 'speed_error', '%'):>7s} {'yes' if r.get('used_for_fit') else 'no':>3s} "
+            f"{_cell(r, 'repriced_reserved_gib', '.2f'):>8s} {_cell(r, 'repriced_error', '%'):>7s}"
         )
         if r.get("note"):
             print(f"    note: {r['note'][:300]}")
@@ -241,9 +257,14 @@ def main() -> None:
     parser.add_argument("--hardware", default="h200,capped")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--table", type=Path, help="print the table of a model_zoo.json and exit")
+    parser.add_argument("--reprice", action="store_true", help="with --table: price each row with today's model")
     args = parser.parse_args()
     if args.table:
-        print_table(json.loads(args.table.read_text()))
+        rows = json.loads(args.table.read_text())
+        if args.reprice:
+            reprice(rows)
+            args.table.write_text(json.dumps(rows, indent=1))
+        print_table(rows)
         return
     names = [n for n in ZOO if not args.only or n in args.only.split(",") or n.split("/")[-1] in args.only.split(",")]
     work = args.assets / "zoo"

@@ -36,6 +36,22 @@ class ModelSpec:
     torch_dtype: str | None = None  # the checkpoint's dtype (config.json); what LLaMA-Factory loads it in
     explicit_head_dim: int | None = None  # config.json's head_dim where heads x head_dim is not the hidden size
     output_bias: bool = False  # biases on the attention output and the MLP (StarCoder2's use_bias)
+    attention_softcap: float | None = None  # Gemma-2's attn_logit_softcapping: scores squashed before the softmax
+    sliding_window: int | None = None  # attention sees at most this many earlier tokens (where the family uses one)
+
+    def padding_free_problem(self, seq_len: int) -> str | None:
+        """Why torch's varlen flash attention (lfa's padding-free) would not compute this family's attention."""
+        if self.attention_softcap:
+            return (
+                f"{self.arch} soft-caps its attention scores (attn_logit_softcapping {self.attention_softcap:g}), "
+                "which the varlen flash kernel does not: padding-free would train a different attention"
+            )
+        if self.sliding_window and self.sliding_window < seq_len:
+            return (
+                f"{self.arch} attends within a sliding window of {self.sliding_window} tokens, shorter than "
+                f"cutoff_len {seq_len}; the varlen kernel lfa calls attends to the whole row"
+            )
+        return None
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +119,11 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
             torch_dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype")),
             explicit_head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
             output_bias=bool(cfg.get("use_bias", False)),
+            attention_softcap=float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping") else None,
+            # Qwen2-style configs carry a window they do not use unless use_sliding_window says so
+            sliding_window=int(cfg["sliding_window"])
+            if cfg.get("sliding_window") and cfg.get("use_sliding_window", True)
+            else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
@@ -121,6 +142,8 @@ CATALOG_KEYS = (
     "torch_dtype",
     "head_dim",
     "use_bias",
+    "attn_logit_softcapping",
+    "sliding_window",
 )
 
 

@@ -169,11 +169,14 @@ def candidate_plans(
         ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     )
     packing = [True, False] if options.allow_packing else [False]
+    family_problem = model.padding_free_problem(seq_len)
+    if family_problem and options.fixed.get("padding_free"):
+        raise UserError(f"--pin padding_free=true: {family_problem}")
     padding_free = (
         [bool(options.fixed["padding_free"])]
         if "padding_free" in options.fixed
         else [True, False]
-        if options.padding_free and padding_free_exact_here(hardware)
+        if options.padding_free and padding_free_exact_here(hardware) and not family_problem
         else [False]
     )
     z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
@@ -389,7 +392,7 @@ def plan(
         )
     chosen = fitting[0]
     return PlanResult(
-        chosen=dataclasses.replace(chosen, plan=explain(chosen, model, hardware, options, fitting)),
+        chosen=dataclasses.replace(chosen, plan=explain(chosen, model, hardware, options, fitting, seq_len)),
         runners_up=fitting[1:6],
         rejected=rejected[:5],
         priced=candidates,
@@ -630,7 +633,7 @@ OPTIMIZER_REASONS = {
 }
 
 
-def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions) -> str:
+def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions, family_problem: str | None) -> str:
     if p.padding_free:
         return (
             ("on (pinned)" if options.fixed.get("padding_free") else "on")
@@ -647,6 +650,8 @@ def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions
         return "off: packed rows have no padding"
     if not hardware.has_gpu:
         return "off: no GPU (lfa's CPU path is one attention call per row, a reference, not a fast kernel)"
+    if family_problem:
+        return f"off: {family_problem}"
     if not padding_free_exact_here(hardware):
         return (
             f"off: {hardware.gpu.name} is sm{hardware.gpu.cc[0]}{hardware.gpu.cc[1]}, and torch's varlen flash "
@@ -656,7 +661,12 @@ def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions
 
 
 def explain(
-    c: Candidate, model: ModelSpec, hardware: HardwareProfile, options: PlanOptions, fitting: list[Candidate]
+    c: Candidate,
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    options: PlanOptions,
+    fitting: list[Candidate],
+    seq_len: int = 2048,
 ) -> Plan:
     p = c.plan
     natural, precision_reason = pick_precision(hardware)
@@ -725,7 +735,7 @@ def explain(
                 else "none: DDP, every GPU holds the model state"
             )
         ),
-        "padding_free": padding_free_reason(p, hardware, options),
+        "padding_free": padding_free_reason(p, hardware, options, model.padding_free_problem(seq_len)),
         "token_budget": (
             f"each optimizer step's {p.micro_batch_size * p.grad_accum} rows per GPU are cut, longest first, into "
             f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many), as many as "

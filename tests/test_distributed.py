@@ -42,7 +42,7 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
         "1",
     )
     launch = (recipe.parent / "launch.sh").read_text()
-    assert 'FORCE_TORCHRUN="1"' in launch and 'NPROC_PER_NODE="2"' in launch
+    assert "FORCE_TORCHRUN=1" in launch and "NPROC_PER_NODE=2" in launch
     run_dir = tmp_path / "run"
     env = {"MASTER_PORT": str(_free_port()), "LFA_STEP_DELAY_S": "0.5", "LFA_COMM_PROFILE_STEPS": "1-2"}
     supervisor = _start_train(recipe, run_dir, env)
@@ -158,7 +158,7 @@ def test_cluster_profile_renders_per_node_scripts_sbatch_and_a_fixed_rendezvous(
     data = yaml.safe_load((folder / "train.yaml").read_text())
     assert data["per_device_train_batch_size"] * data["gradient_accumulation_steps"] * 16 == 64
     launch = (folder / "launch.sh").read_text()
-    assert 'NNODES="2"' in launch and 'NPROC_PER_NODE="8"' in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+    assert "NNODES=2" in launch and "NPROC_PER_NODE=8" in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
     assert "MASTER_ADDR=${MASTER_ADDR:-gpu-node-0}" in launch
     node1 = (folder / "launch-node-1.sh").read_text()
     assert "export NODE_RANK=1" in node1 and "gpu-node-1" in node1 and "--node-rank 1" in node1
@@ -205,7 +205,7 @@ def test_ray_recipes_use_the_keys_of_the_targeted_llamafactory(tmp_path):
     )
     assert r094["ray_num_workers"] == 16 and r094["resources_per_worker"] == {"GPU": 1} and "ray_run_name" in r094
     launch = (tmp_path / "ray095" / "launch.sh").read_text()
-    assert 'USE_RAY="1"' in launch and "FORCE_TORCHRUN" not in launch
+    assert "USE_RAY=1" in launch and "FORCE_TORCHRUN" not in launch
     assert "ray start --head" in (tmp_path / "ray095" / "ray-cluster.sh").read_text()
     # the 0.9.4 recipe under the installed LLaMA-Factory: review names the keys that changed
     review = run_lfa("review", tmp_path / "ray094" / "train.yaml", "--format", "json")

@@ -127,7 +127,7 @@ def test_through_the_real_trainer_padding_free_trains_the_same_steps_as_padded(c
     padded = cpu_recipe(*common, name="padded", extra=extra + ("--no-sorted-steps",))
     flat = cpu_recipe(*common, name="flat", extra=extra + ("--no-sorted-steps", "--pin", "padding_free=true"))
     assert "/padfree" in json.loads(flat.read_text().split("# lfa-meta: ")[1].splitlines()[0])["plan"]
-    assert 'LFA_PADDING_FREE="1"' in (flat.parent / "launch.sh").read_text()
+    assert "LFA_PADDING_FREE=1" in (flat.parent / "launch.sh").read_text()
     for recipe in (padded, flat):
         result = run_lfa("train", recipe, "--run-dir", tmp_path / recipe.parent.name)
         assert result.returncode == 0, result.stdout + result.stderr

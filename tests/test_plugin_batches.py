@@ -158,7 +158,7 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "/zero3/" in json.loads(result.stdout)["plan"] and (tmp_path / "z3" / "ds_zero3.json").is_file()
-    assert 'FORCE_TORCHRUN="1"' in (tmp_path / "z3" / "launch.sh").read_text()
+    assert "FORCE_TORCHRUN=1" in (tmp_path / "z3" / "launch.sh").read_text()
     bad = run_lfa(
         "generate", "--task", "pseudo2norm", "--hardware", "h200", "--pin", "deepspeed=zero9", "-o", tmp_path / "bad"
     )

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import run_lfa
 from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
+from lf_adapter.run.process import process_record
 from lf_adapter.run.report import FIGURES, collect, summary_lines, write_report
 
 
@@ -74,6 +75,8 @@ def _run_folder(tmp_path: Path, *, status="failed", supervisor_pid=None, steps=(
     if status == "succeeded":
         second.status, second.first_step, second.last_step, second.ended_at = "succeeded", 5, 8, t0 + 90
     ledger = RunLedger(recipe="", attempts=[first, second], status=status, supervisor_pid=supervisor_pid)
+    if supervisor_pid:  # as the supervisor records itself: pid, start time, command line
+        ledger.supervisor_process = process_record(supervisor_pid).to_dict()
     write_ledger(run_dir, ledger)
     events = []
     for step in steps:

@@ -95,7 +95,7 @@ def test_bad_input_is_refused_before_anything_starts(cpu_recipe, tmp_path):
     from lf_adapter import UserError
 
     start_process, calls = _fake_start(FAKE_TRAINER)
-    with pytest.raises(UserError, match="expected key=value"):
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
         supervise(
             TrainRequest(cpu_recipe("max_steps=3"), run_dir=tmp_path / "run", overrides=("oops",)),
             start_process=start_process,

@@ -113,7 +113,7 @@ def test_through_the_real_trainer_a_token_budget_trains_the_padded_steps(cpu_rec
     meta = json.loads(budget.read_text().split("# lfa-meta: ")[1].splitlines()[0])
     assert meta["plan"].endswith("/padfree/sorted/tb1024") and "/gc1/" in meta["plan"]
     launch = (budget.parent / "launch.sh").read_text()
-    assert 'LFA_TOKEN_BUDGET="1024"' in launch and 'LFA_CHECKPOINT_LAYERS="1"' in launch
+    assert "LFA_TOKEN_BUDGET=1024" in launch and "LFA_CHECKPOINT_LAYERS=1" in launch
     for recipe in (padded, budget):
         result = run_lfa("train", recipe, "--run-dir", tmp_path / recipe.parent.name)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -48,8 +48,10 @@ def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe
     run_dir = tmp_path / "run"
     started = run_lfa("train", recipe, "--run-dir", run_dir, "--detach", env={"LFA_STEP_DELAY_S": "0.2"})
     assert started.returncode == 0 and "lfa stop" in started.stdout, started.stderr
-    supervisor = int((run_dir / "supervisor.pid").read_text())
+    recorded = json.loads((run_dir / "supervisor.pid").read_text())  # pid, start time, command line
+    supervisor = recorded["pid"]
     assert os.getsid(supervisor) == supervisor  # its own session: a logout's SIGHUP does not reach it
+    assert recorded["start"] and "lf_adapter.cli train" in recorded["cmdline"]
     assert _wait_for(lambda: any(e["event"] == "step" and e["global_step"] >= 2 for e in _events(run_dir)))
     status = run_lfa("status", run_dir, "--json")
     [state] = json.loads(status.stdout)

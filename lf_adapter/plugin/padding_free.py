@@ -103,6 +103,12 @@ def varlen_attention_forward(
     groups = query.size(1) // key.size(1)
     q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
     if q.is_cuda and fast_kernel_on(q.device.index or 0):
+        import torch
+
+        if q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+            # as SDPA does under autocast: the flash kernel takes 16-bit inputs (StarCoder2's reach it in fp32)
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         varlen, has_window = _torch_varlen()
         extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
         out = varlen(
