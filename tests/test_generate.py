@@ -126,9 +126,7 @@ def test_generated_recipe_is_valid_yaml_with_real_floats_and_comments(tmp_path):
     assert "# precision:" in text and "# batch:" in text
     launch = (tmp_path / "r" / "launch.sh").read_text()
     assert (
-        "FORCE_TORCHRUN=1" in launch
-        and "NPROC_PER_NODE=8" in launch
-        and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
+        "FORCE_TORCHRUN=1" in launch and "NPROC_PER_NODE=8" in launch and "MASTER_PORT=${MASTER_PORT:-29500}" in launch
     )
     info = json.loads((tmp_path / "r" / "dataset_info.json").read_text())
     assert info["pseudo2norm"]["columns"] == {"prompt": "instruction", "query": "input", "response": "output"}

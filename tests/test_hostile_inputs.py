@@ -423,8 +423,8 @@ def test_doctor_export_lines_are_shell_quoted(cpu_recipe, tmp_path, stubs):
     script.write_text("\n".join(exports) + '\nprintf %s "$PYTORCH_CUDA_ALLOC_CONF"\n')
     shown = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert not canary.exists()
-    if any("PYTORCH_CUDA_ALLOC_CONF" in line for line in exports):
-        assert shown.stdout == hostile
+    assert any(line.startswith("export PYTORCH_CUDA_ALLOC_CONF=") for line in exports), exports
+    assert shown.stdout == hostile
 
 
 def test_scripts_quote_rendezvous_values_even_past_validation(tmp_path, stubs, monkeypatch):

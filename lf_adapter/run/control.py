@@ -135,9 +135,9 @@ def stop_run(run_dir: Path, timeout_s: float = 60.0) -> tuple[str, bool]:
 
     if not supervisor_alive() and not trainer_alive():
         reused = [
-            f"pid {r.pid} now belongs to another process"
-            for r in (supervisor, trainer)
-            if r is not None and _pid_exists(r.pid) and not is_recorded_process(r)
+            f"pid {r.pid} now belongs to another process than the recorded '{(r.cmdline or '?')[:80]}'"
+            for r in dict.fromkeys(r for r in (supervisor, trainer) if r is not None)
+            if _pid_exists(r.pid) and not is_recorded_process(r)
         ]
         return f"not running ({ledger.status}" + "".join(f"; {why}, left alone" for why in reused) + ")", False
     how = "graceful"

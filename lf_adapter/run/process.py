@@ -199,14 +199,14 @@ def record_from_dict(data) -> ProcessRecord | None:
 
 
 def is_recorded_process(record: ProcessRecord | None) -> bool:
-    """Is the recorded process still running, as the same process (not a later one that got its pid)?"""
+    """Is the recorded process still running, as the same process (not a later one that got its pid)? The start
+    time decides: a reused pid starts later. The command line is kept for messages only: read right after the start
+    it can still be the parent's (the exec may not be visible in /proc yet)."""
     if record is None or not alive(record.pid):
         return False
     if record.start is None:  # a system without /proc: the pid is all there is
         return True
-    return _proc_start(record.pid) == record.start and (
-        record.cmdline is None or _proc_cmdline(record.pid) == record.cmdline
-    )
+    return _proc_start(record.pid) == record.start
 
 
 def recorded_group_alive(record: ProcessRecord | None) -> bool:
