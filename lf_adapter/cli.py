@@ -422,6 +422,8 @@ def generate(
         )
         return
     _print_plan(gen.result, gen.model, gen.hardware)
+    if gen.memory_note:
+        click.echo(f"memory model: {gen.memory_note}")
     for line in gen.listing:
         click.echo(line)
     if gen.dataset is not None:

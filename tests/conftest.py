@@ -22,6 +22,12 @@ def run_lfa(*args, cwd=None, env=None, timeout=600):
     )
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _measured_peaks_in_a_test_folder(tmp_path_factory):
+    """What lfa train measures goes to lfa's cache folder: in tests a fresh one, never the user's."""
+    os.environ["LFA_CACHE_DIR"] = str(tmp_path_factory.mktemp("lfa-cache"))
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """A tiny DeepSeek-Coder-shaped model and 96 pseudo2norm rows, built once per test session."""

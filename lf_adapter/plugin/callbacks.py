@@ -117,6 +117,8 @@ class EventsCallback(TrainerCallback):
             event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
             if event.get("event") in ("train_begin", "step"):  # train_begin opens the window of the first step
                 event.update(_gpu_step_stats())
+        elif os.environ.get(contract.INJECT_PEAK_GIB):  # tests: a GPU peak on a machine without one
+            event["gpu_reserved_gib"] = event["gpu_allocated_gib"] = float(os.environ[contract.INJECT_PEAK_GIB])
         event["host_rss_gib"] = round(host_rss_gib()[0], 3)
         event["time"] = time.time()
         if os.environ.get(contract.ATTEMPT, "").isdigit():

@@ -11,6 +11,7 @@ from pathlib import Path
 from .. import UserError
 from ..data import DatasetProfile, profile_dataset
 from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
+from ..measured import planning_margin
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import LF_FLASH_ATTN, Plan
 from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
@@ -62,6 +63,7 @@ class GenerateRequest:
     report_to: str = "none"  # a key of recipe.keys.REPORT_TO
     allow_optimizer_change: bool = False  # memory-light optimizers may be chosen (they change what is trained)
     nvme_path: str | None = None  # NVMe offload's swap folder instead of the profile's disk path
+    use_measured: bool = True  # plan from peaks lfa train measured on this machine (goldens: from the models alone)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Generated:
     dataset: DatasetProfile | None = None
     hyperparameters: dict | None = None
     listing: list[str] = dataclasses.field(default_factory=list)  # what runs on this machine
+    memory_note: str = ""  # extra headroom or a measured peak the plan rests on (measured.planning_margin)
 
 
 # LLaMA-Factory keys the plan writes (recipe.keys.plan_keys and the optimizers' keys): --set may not change them
@@ -271,7 +274,10 @@ def generate(request: GenerateRequest) -> Generated:
             "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
             "--launcher torchrun"
         )
+    margin = planning_margin(spec, hardware, request.use_measured)
     options = PlanOptions(
+        headroom=margin.headroom,
+        activation_scale=margin.activation_scale,
         allow_packing=request.allow_packing,
         sort_steps=request.sort_steps,
         padding_free=request.padding_free,
@@ -328,6 +334,7 @@ def generate(request: GenerateRequest) -> Generated:
         llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
         report_to=request.report_to,
         nvme=nvme_setup(chosen, spec, hardware),
+        memory_note=margin.note,
     )
     return Generated(
         files=render_recipe(inputs),
@@ -338,6 +345,7 @@ def generate(request: GenerateRequest) -> Generated:
         dataset=profile,
         hyperparameters=hp,
         listing=options_listing(result.priced, hardware, cutoff, mean_fraction, rows, epochs, fixed.get("optimizer")),
+        memory_note=margin.note,
     )
 
 

@@ -53,6 +53,7 @@ def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDE
         launcher=values.get("launcher", "torchrun"),
         llamafactory_version=values.get("llamafactory_version", llamafactory),
         command="lfa generate " + shlex.join(args),
+        use_measured=False,  # goldens come from the models alone, not from what this machine measured
     )
 
 

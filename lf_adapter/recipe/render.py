@@ -58,6 +58,7 @@ class RecipeInputs:
     llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
     report_to: str = "none"  # one of REPORT_TO
     nvme: NvmeSetup | None = None  # the swap folder of an NVMe offload plan
+    memory_note: str = ""  # extra headroom or a measured peak the plan rests on
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         ray_logical_cpus=ray_logical_cpus(inputs.hardware),
         report_to=inputs.report_to,
         optimizer_keys=OPTIMIZER_KEYS[plan.optimizer],
+        memory_note=inputs.memory_note,
     )
     if inputs.extra:  # --set keys: a key the template writes is replaced in place, never written twice
         files[recipe_file] = set_top_level_keys(

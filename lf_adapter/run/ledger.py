@@ -43,6 +43,7 @@ class AttemptRecord:
     last_finite_step: int | None = None
     first_nonfinite_step: int | None = None
     divergence_warning: str | None = None
+    memory_warning: str | None = None  # the measured peak was more than 3% above the prediction
     diverged_checkpoints_set_aside: list[str] = field(default_factory=list)
     failure: dict | None = None  # Failure.to_dict()
     remedy: dict | None = None  # action, why, decided_at

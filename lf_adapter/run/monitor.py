@@ -200,6 +200,8 @@ def fold_event(state: dict, event: dict) -> None:
         state["loss"] = event["loss"]
     if "gpu_reserved_gib" in event:
         state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
+    if "gpu_allocated_gib" in event:
+        state["gpu_allocated_gib"] = event["gpu_allocated_gib"]
 
 
 def _finite(value) -> bool:

@@ -70,4 +70,6 @@ def _progress_text(n: int, state: dict) -> str:
         parts.append(f"GPU {state['gpu_used_gib']:.1f} GiB (NVML)")
     elif state.get("gpu_reserved_gib"):
         parts.append(f"GPU {state['gpu_reserved_gib']:.1f} GiB reserved")
+    if state.get("memory_warning"):
+        parts.append("WARNING: GPU memory above the plan")
     return "  ".join(parts)

@@ -209,6 +209,7 @@ def collect(run_dir: Path) -> RunReport:
     events, skipped = _read_events(run_dir / "events.jsonl")
     series = split_events(events, ledger.attempts)
     diff, output_dir, tensorboard, notes = _recipe_diff(ledger)
+    notes = notes + [f"attempt {a.n}: {a.memory_warning}" for a in ledger.attempts if a.memory_warning]
     bad_steps = sum(1 for e in events if e.get("event") == "step" and not isinstance(e.get("global_step"), int))
     if skipped or bad_steps:
         notes = [
@@ -407,6 +408,7 @@ def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
         )
     else:
         lines.append(f"  host memory  {_versus(h['peak_host_rss_gib'], None, 'GiB trainer RSS (no GPU)', 2)}")
+    lines += [f"  WARNING      attempt {a.n}: {a.memory_warning}" for a in report.ledger.attempts if a.memory_warning]
     loss = "-" if h["final_loss"] is None else f"{h['final_loss']:.4f} at step {h['final_step']}"
     lines.append(
         f"  final loss   {loss}"

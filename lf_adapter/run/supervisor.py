@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import UserError
 from ..data import dataset_problems
 from ..hardware import HardwareProfile, gpu_used_gib, installed_versions, nearest_existing
+from ..measured import OVER_PREDICTION, MeasuredPeak, card_key, now_iso, record_peak, shape_key
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import Plan
@@ -263,7 +264,14 @@ def _drain_steps(events: FileFollower, events_reader: LineReader, watcher: Train
             _note_step(result, record["current_steps"])
 
 
-def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, start_process=start) -> dict:
+def watch_attempt(
+    setup: RunSetup,
+    launch: Launch,
+    interrupted: dict,
+    on_start,
+    start_process=start,
+    attempt: AttemptRecord | None = None,
+) -> dict:
     """Start the trainer and follow it to its end: the progress line, the steps it made, a failure that ends it
     early (a NaN, a divergence, a class that cannot recover), its return code and the log's tail."""
     n, command, env, cwd = launch.n, launch.command, launch.env, setup.recipe.folder
@@ -317,6 +325,11 @@ def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, 
                 changed = False
             if changed:
                 reporter.progress(n, state, None)
+            if attempt is not None and "memory_warning" not in result:
+                warning = peak_above_prediction(setup, attempt, state)
+                if warning:
+                    result["memory_warning"] = state["memory_warning"] = warning
+                    reporter.event("warning", f"[attempt {n}] lfa: {warning}", attempt=n, warning=warning)
             stall = watcher.stalled(vocab_size) if "divergence_warning" not in result else None
             if stall:
                 result["divergence_warning"] = stall
@@ -353,6 +366,35 @@ def watch_attempt(setup: RunSetup, launch: Launch, interrupted: dict, on_start, 
         result["tail"] = list(reader.tail)
     interrupted["process"] = None
     return result
+
+
+def peak_above_prediction(setup: RunSetup, record: AttemptRecord, state: dict) -> str | None:
+    """After the first steps: the measured peak against the attempt's prediction. More than 3% above is a warning,
+    and the measurement is stored for the next `lfa generate` of this model shape on this card."""
+    predicted, measured = record.predicted.get("reserved_gib"), state.get("gpu_reserved_gib")
+    if not predicted or not measured or (state.get("step") or 0) < 2 or setup.trained_model is None:
+        return None
+    over = measured / predicted - 1.0
+    if over <= OVER_PREDICTION:
+        return None
+    stored = record_peak(
+        MeasuredPeak(
+            shape=shape_key(setup.trained_model),
+            card=card_key(setup.hardware),
+            plan=record.plan,
+            seq_len=int(setup.effective.data.get("cutoff_len") or 2048),
+            predicted_reserved_gib=predicted,
+            measured_reserved_gib=measured,
+            measured_allocated_gib=state.get("gpu_allocated_gib") or measured,
+            run=str(setup.run_dir),
+            recorded=now_iso(),
+        )
+    )
+    return (
+        f"GPU memory peaked at {measured:.2f} GiB reserved, {100 * over:.1f}% above the predicted {predicted:.2f} GiB "
+        f"(the memory model's error on this model); "
+        + (f"stored in {stored}: the next lfa generate of this model on this card plans from it" if stored else "")
+    ).rstrip("; ")
 
 
 def resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
@@ -918,7 +960,7 @@ def run_and_classify(
         setup.save()
 
     oom_kills_before = cgroup_oom_kills()
-    result = watch_attempt(setup, launch, interrupted, on_start, start_process)
+    result = watch_attempt(setup, launch, interrupted, on_start, start_process, record)
     failure = classify(result.pop("tail"), result["returncode"])
     if failure is not None and failure.kind == "host_oom_kill":
         peak = attempt_peak_rss_gib(run_dir / "events.jsonl", launch.n)

@@ -1,0 +1,59 @@
+"""The memory model where it was not validated: a family it was not checked on is planned with extra headroom, and
+a peak lfa train measured above the prediction is a warning that the next lfa generate plans from."""
+
+import json
+
+from conftest import _ledger, run_lfa
+
+
+def _meta(recipe) -> dict:
+    line = next(x for x in recipe.read_text().splitlines() if x.startswith("# lfa-meta: "))
+    return json.loads(line[len("# lfa-meta: ") :])
+
+
+def test_a_family_the_memory_model_was_not_checked_on_gets_extra_headroom(tmp_path):
+    out = tmp_path / "starcoder2"
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "bigcode/starcoder2-3b", "--hardware", "h200",
+                     "-o", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = (out / "train.yaml").read_text()
+    assert "# memory model: starcoder2 is not among the families" in text and "23% headroom instead of 12%" in text
+    assert "23% headroom)" in text  # the batch reason prices it
+    checked = run_lfa("generate", "--task", "pseudo2norm", "--model", "Qwen/Qwen3-1.7B", "--hardware", "h200",
+                      "-o", tmp_path / "qwen3")  # fmt: skip
+    assert checked.returncode == 0 and "# memory model:" not in (tmp_path / "qwen3" / "train.yaml").read_text()
+
+
+def test_a_peak_above_the_prediction_warns_and_the_next_generate_plans_from_it(cpu_recipe, demo_assets, tmp_path):
+    recipe = cpu_recipe("max_steps=3", extra=("--logging-steps", "1"))
+    predicted = _meta(recipe)["predicted_reserved_gib"]
+    cache = tmp_path / "cache"
+    env = {"LFA_INJECT_PEAK_GIB": str(round(predicted * 1.25, 3)), "LFA_CACHE_DIR": str(cache)}
+    run_dir = tmp_path / "run"
+    trained = run_lfa("train", recipe, "--run-dir", run_dir, env=env)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    attempt = _ledger(run_dir)["attempts"][0]
+    over = f"{100 * (round(predicted * 1.25, 3) / attempt['predicted']['reserved_gib'] - 1):.1f}%"
+    warning = attempt["memory_warning"]
+    assert f"{over} above the predicted" in warning and str(cache) in warning
+    assert "[attempt 1] lfa: GPU memory peaked" in trained.stdout  # the live output
+    assert "WARNING      attempt 1: GPU memory peaked" in trained.stdout  # the summary
+    assert f"{over} above the predicted" in (run_dir / "report.html").read_text()
+    [stored] = json.loads((cache / "measured_memory.json").read_text()).values()
+    assert stored["measured_reserved_gib"] == round(predicted * 1.25, 3)
+    assert stored["predicted_reserved_gib"] == attempt["predicted"]["reserved_gib"]
+    # the next generate of the same model on the same card plans from the measurement, and says so
+    model, data = demo_assets
+    again = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", "cpu",
+                    "--set", "effective_batch_size=8", "--set", "learning_rate=1.0e-3", "--set", "cutoff_len=512",
+                    "-o", tmp_path / "again", env={"LFA_CACHE_DIR": str(cache)})  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    text = (tmp_path / "again" / "train.yaml").read_text()
+    assert "# memory model: planned from a measured peak" in text and f"+{over}" in text
+    assert _meta(tmp_path / "again" / "train.yaml")["predicted_reserved_gib"] > predicted
+    # within 3% of the prediction nothing is said or stored
+    quiet = tmp_path / "quiet-cache"
+    env = {"LFA_INJECT_PEAK_GIB": str(round(predicted * 1.02, 3)), "LFA_CACHE_DIR": str(quiet)}
+    other = cpu_recipe("max_steps=3", name="calm", extra=("--logging-steps", "1"))
+    calm = run_lfa("train", other, "--run-dir", tmp_path / "run2", env=env)
+    assert calm.returncode == 0 and "WARNING" not in calm.stdout and not quiet.exists()
