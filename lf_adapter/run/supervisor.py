@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import errno
 import hashlib
@@ -101,7 +100,6 @@ class TrainRequest:
     master_port: int | None = None
     hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
     stop_on_divergence: bool = False  # stop (and retry) when the loss sits at ln(vocab) or keeps rising
-    detach_check: bool = False  # the checks before a detached start: a damaged ledger is the background run's to say
 
 
 def key_changes(recipe: Recipe, attempt: Attempt, base_plan_keys: dict) -> dict:
@@ -740,7 +738,7 @@ def rendezvous_problems(request: TrainRequest) -> list[str]:
     return problems
 
 
-def preflight(request: TrainRequest) -> Preflight:
+def preflight(request: TrainRequest, before_detach: bool = False) -> Preflight:
     """Read the recipe and its --set keys, make the run folder, and refuse (UserError, one message) an output_dir
     lfa may not write into, one in use, a dataset LLaMA-Factory would fail on, or a resume under changed inputs."""
     recipe = load_recipe(request.recipe)
@@ -762,7 +760,7 @@ def preflight(request: TrainRequest) -> Preflight:
     try:
         ledger = read_ledger(run_dir) if (run_dir / LEDGER_NAME).is_file() else RunLedger(str(recipe.path.resolve()))
     except UserError:
-        if request.detach_check:
+        if before_detach:  # a damaged ledger is the background run's to report
             ledger = RunLedger("")
         else:
             raise
@@ -1177,7 +1175,7 @@ class DetachedRun:
 
 def start_detached(request: TrainRequest) -> DetachedRun:
     """Re-run `lfa train` without --detach in a new session: it survives logout (no nohup needed)."""
-    checked = preflight(dataclasses.replace(request, detach_check=True))  # the background run would only fail
+    checked = preflight(request, before_detach=True)  # what the background run would only fail on
     name, run_dir = checked.name, checked.run_dir
     args = [
         sys.executable,
