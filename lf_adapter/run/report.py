@@ -732,8 +732,10 @@ FINAL_LABELS = {
 def render_html(report: RunReport, figures: dict[str, Path]) -> str:
     """The self-contained page (templates/report/run.html.j2, autoescaped): every value below is escaped there."""
     import jinja2
+    import markupsafe
 
     from .. import templates_dir
+    from .guard import REPORT_MARK
 
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir() / "report")),
@@ -762,6 +764,7 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
         else None
     )
     return env.get_template("run.html.j2").render(
+        generator_mark=markupsafe.Markup(REPORT_MARK),  # what lets lfa report --out overwrite its own page
         name=report.name,
         state=report.state,
         recipe=report.ledger.recipe,
