@@ -763,7 +763,9 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
         if last and last.predicted.get("memory_gib")
         else None
     )
-    return env.get_template("run.html.j2").render(
+    return env.get_template(
+        "run.html.j2"
+    ).render(
         generator_mark=markupsafe.Markup(REPORT_MARK),  # what lets lfa report --out overwrite its own page
         name=report.name,
         state=report.state,
