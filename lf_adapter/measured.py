@@ -59,6 +59,10 @@ class MeasuredPeak:
         return self.measured_reserved_gib / self.predicted_reserved_gib - 1.0
 
 
+def _store_key(shape: str, card: str) -> str:
+    return f"{shape} | {card}"
+
+
 def _read_store() -> dict:
     try:
         data = json.loads((cache_dir() / STORE_NAME).read_text())
@@ -71,7 +75,7 @@ def record_peak(peak: MeasuredPeak) -> Path | None:
     """Keep the newest measurement per model shape and card (atomic write); None when the cache is not writable."""
     folder = cache_dir()
     store = _read_store()
-    store[f"{peak.shape} | {peak.card}"] = dataclasses.asdict(peak)
+    store[_store_key(peak.shape, peak.card)] = dataclasses.asdict(peak)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{STORE_NAME}.{os.getpid()}.tmp"
@@ -83,7 +87,7 @@ def record_peak(peak: MeasuredPeak) -> Path | None:
 
 
 def measured_peak(model: ModelSpec, hardware: HardwareProfile) -> MeasuredPeak | None:
-    entry = _read_store().get(f"{shape_key(model)} | {card_key(hardware)}")
+    entry = _read_store().get(_store_key(shape_key(model), card_key(hardware)))
     try:
         return MeasuredPeak(**entry) if isinstance(entry, dict) else None
     except TypeError:

@@ -372,27 +372,27 @@ def peak_above_prediction(setup: RunSetup, record: AttemptRecord, state: dict) -
     predicted, measured = record.predicted.get("reserved_gib"), state.get("gpu_reserved_gib")
     if not predicted or not measured or (state.get("step") or 0) < 2 or setup.trained_model is None:
         return None
-    over = measured / predicted - 1.0
-    if over <= OVER_PREDICTION:
-        return None
-    stored = record_peak(
-        MeasuredPeak(
-            shape=shape_key(setup.trained_model),
-            card=card_key(setup.hardware),
-            plan=record.plan,
-            seq_len=int(setup.effective.data.get("cutoff_len") or 2048),
-            predicted_reserved_gib=predicted,
-            measured_reserved_gib=measured,
-            measured_allocated_gib=state.get("gpu_allocated_gib") or measured,
-            run=str(setup.run_dir),
-            recorded=now_iso(),
-        )
+    peak = MeasuredPeak(
+        shape=shape_key(setup.trained_model),
+        card=card_key(setup.hardware),
+        plan=record.plan,
+        seq_len=int(setup.effective.data.get("cutoff_len") or 2048),
+        predicted_reserved_gib=predicted,
+        measured_reserved_gib=measured,
+        measured_allocated_gib=state.get("gpu_allocated_gib") or measured,
+        run=str(setup.run_dir),
+        recorded=now_iso(),
     )
-    return (
-        f"GPU memory peaked at {measured:.2f} GiB reserved, {100 * over:.1f}% above the predicted {predicted:.2f} GiB "
-        f"(the memory model's error on this model); "
-        + (f"stored in {stored}: the next lfa generate of this model on this card plans from it" if stored else "")
-    ).rstrip("; ")
+    if peak.over <= OVER_PREDICTION:
+        return None
+    stored = record_peak(peak)
+    warning = (
+        f"GPU memory peaked at {measured:.2f} GiB reserved, {100 * peak.over:.1f}% above the predicted "
+        f"{predicted:.2f} GiB (the memory model's error on this model)"
+    )
+    return warning + (
+        f"; stored in {stored}: the next lfa generate of this model on this card plans from it" if stored else ""
+    )
 
 
 def resolved_text(recipe: Recipe, changes: dict, notes: list[str]) -> str:
@@ -728,7 +728,7 @@ class Preflight:
     trained_from: dict
 
 
-def rendezvous_problems(request: TrainRequest) -> list[str]:
+def rendezvous_flag_problems(request: TrainRequest) -> list[str]:
     """--master-addr and --master-port reach the trainers' environment: a host name or address, a port."""
     problems = []
     if request.master_addr is not None and (problem := host_problem(request.master_addr)):
@@ -743,7 +743,7 @@ def preflight(request: TrainRequest, before_detach: bool = False) -> Preflight:
     lfa may not write into, one in use, a dataset LLaMA-Factory would fail on, or a resume under changed inputs."""
     recipe = load_recipe(request.recipe)
     user_keys = parse_sets(request.overrides)
-    problems = rendezvous_problems(request)
+    problems = rendezvous_flag_problems(request)
     if problems:
         raise UserError("; ".join(problems))
     hardware = recipe_hardware(recipe, request.hardware)
