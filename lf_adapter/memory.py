@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -11,6 +12,7 @@ from . import catalog_dir
 from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
+from .saved_tensors import saved_tensors_per_token
 from .strategy import Optimizer, Sharding
 
 GIB = 2**30
@@ -143,12 +145,43 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
         if plan.shards_parameters and plan.offloads_optimizer
         else "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")")
     )
+    if stages_gradients_to_host(plan):
+        grads_name = "gradients (DeepSpeed's reduce bucket; partitions go to the host)"
+        grads = 2.0 * reduce_bucket_elements()
     states = {"weights (16-bit)": weights, grads_name: grads, "optimizer (fp32 master + Adam, partitioned)": optimizer}
+    if stages_gradients_to_host(plan):
+        # stage_1_and_2.py: a 16-bit buffer of the largest weight's size stays on the GPU for the host copies, and each
+        # gradient's norm is taken over an fp64 copy when it is reduced: the lm_head's (untied) or an MLP matrix's
+        # while the activations are alive
+        top = model.hidden_size * model.intermediate_size if model.tied_embeddings else model.embedding_params
+        states["offload staging buffer (the largest weight, 16-bit)"] = 2.0 * model.largest_tensor_params
+        states["gradient norm (fp64 copy of one weight's gradient)"] = 8.0 * top
     if plan.shards_parameters:
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
-    if n > 1:
+    if n > 1 and not stages_gradients_to_host(plan):
         states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / n
     return states, offloaded
+
+
+def reduce_bucket_elements() -> float:
+    """DeepSpeed's reduce_bucket_size as lfa's ZeRO-1/2 config writes it (templates/deepspeed/zero.json.j2)."""
+    return float(coefficients()["deepspeed"]["reduce_bucket_elements"])
+
+
+def stages_gradients_to_host(plan: Plan) -> bool:
+    """ZeRO-1/2 with the optimizer on the host: no gradient partition on the GPU, one reduce bucket instead."""
+    return plan.deepspeed is not None and plan.offloads_optimizer and not plan.shards_parameters
+
+
+def _end_of_backward_bytes(model: ModelSpec, plan: Plan, states: dict[str, float]) -> float:
+    """ZeRO-1/2 offload: the embedding's gradient is reduced last, its fp64 norm copy beside the model states and
+    buffers (the measured floor of small micro-batches, bench/results/memory_probe.json); 0 for other plans."""
+    if not stages_gradients_to_host(plan):
+        return 0.0
+    embedding = model.embedding_params
+    outside_bucket = 2.0 * embedding if embedding > reduce_bucket_elements() else 0.0
+    persistent = sum(v for k, v in states.items() if not k.startswith("gradient norm"))
+    return persistent + 8.0 * embedding + outside_bucket
 
 
 def micro_batch_tokens(plan: Plan, seq_len: int) -> int:
@@ -167,8 +200,10 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     sixteen_bit_model = (
         plan.deepspeed is not None or plan.sharding == Sharding.FSDP2 or plan.optimizer == Optimizer.BADAM
     )
-    per_layer = act[("deepspeed_" if sixteen_bit_model else "") + ("liger" if plan.liger else "eager")]
-    per_token_layer = per_layer["per_hidden"] * h + per_layer["per_ffn"] * model.intermediate_size
+    path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
+    per_token_layer = act["saved_tensor_scale"][path] * sum(
+        saved_tensors_per_token(model, sixteen_bit_model, plan.liger).values()
+    )
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
     if plan.attention == "eager":
@@ -193,6 +228,8 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
                 f"{model.torch_dtype or 'of unknown dtype'})"
             ] = 2.0 * model.params_per_layer * graph_layers
         return items
+    if sixteen_bit_model:
+        return _sixteen_bit_activations(model, plan, per_token_layer, tokens)
     if plan.gradient_checkpointing:
         factor = act["accumulation_factor"] if plan.accumulates else 1.0
         k = plan.checkpointed_layers(L)
@@ -214,6 +251,41 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 
 
+def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: float, tokens: int) -> dict[str, float]:
+    """A 16-bit model (DeepSpeed, FSDP2: no autocast copies, so accumulation changes nothing). A checkpointed layer
+    keeps its 16-bit input. Layers without checkpointing keep their whole graph through the loss; when every layer
+    recomputes, the peak is either the loss or the first recompute, which finds the loss freed but for the lm_head's
+    gradient and the gradient flowing down (bench/results/memory_probe.json)."""
+    L, h, V = model.num_layers, model.hidden_size, model.vocab_size
+    loss = _loss_bytes_16bit(model, plan, tokens)
+    if not plan.gradient_checkpointing:
+        return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": loss}
+    k = plan.checkpointed_layers(L)
+    items = {f"activations ({k} of {L} layers checkpointed: 16-bit inputs)": 2.0 * h * k * tokens}
+    if k < L:
+        return {**items, f"activations ({L - k} layers not checkpointed)": per_token_layer * (L - k) * tokens,
+                "logits + loss": loss}  # fmt: skip
+    # the layer's backward holds four 16-bit gradients of width h: of its output, its input, the residual branch and
+    # their sum (the Qwen3 probe rows and Phi-3-mini's capped row, bench/README.md "Capped offload plans")
+    held = 2.0 * V * h + 4 * 2.0 * tokens * h
+    if per_token_layer * tokens + held > loss:
+        return {**items, "activations (the layer being recomputed)": per_token_layer * tokens,
+                "lm_head gradient + the layer's input/output gradients": held}  # fmt: skip
+    return {**items, "logits + loss": loss}
+
+
+def _loss_bytes_16bit(model: ModelSpec, plan: Plan, tokens: int) -> float:
+    """Without liger the logits path (fitted bytes per token x vocabulary entry). Liger's fused linear cross-entropy
+    (ops/fused_linear_cross_entropy.py) computes the gradients in the forward: the lm_head's (16-bit, held until
+    the backward takes it), the hidden states' and one chunk of logits (chunk rows: tokens / ceil(V / h), to a
+    power of two)."""
+    h, V = model.hidden_size, model.vocab_size
+    if not plan.liger:
+        return coefficients()["logits"]["bytes_per_element"] * tokens * V
+    chunk = min(1 << max(0, math.ceil(tokens / math.ceil(V / h)) - 1).bit_length(), tokens)
+    return 2.0 * V * h + 2.0 * tokens * h + 2.0 * chunk * V
+
+
 def estimate(
     model: ModelSpec,
     plan: Plan,
@@ -227,20 +299,31 @@ def estimate(
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
     activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
-    floor = sum(states.values()) if plan.deepspeed is None and plan.sharding != Sharding.FSDP2 else 0.0
+    # the peak can fall outside the forward/backward: the optimizer step holds every model state at once (without
+    # DeepSpeed), or ZeRO-1/2 offload reduces the embedding's gradient at the end of the backward
+    floors = {
+        "optimizer step (all model states at once)": sum(states.values())
+        if plan.deepspeed is None and plan.sharding != Sharding.FSDP2
+        else 0.0,
+        "end of the backward (the embedding gradient's fp64 norm copy)": _end_of_backward_bytes(model, plan, states),
+    }
+    floor_name, floor = max(floors.items(), key=lambda kv: kv[1])
     if not plan.accumulates and not plan.gradient_checkpointing and "gradients (fp32)" in states:
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
         states["gradients (fp32)"] *= 0.5
     items = {k: v / GIB for k, v in {**states, **activations}.items() if v > 0}
     items["allocator/CUDA workspace"] = coefficients()["allocator"]["allocated_overhead_gib"]
-    # never less than the model states themselves (the optimizer step holds them all at once)
-    allocated = max(sum(items.values()), floor / GIB)
+    if floor / GIB > sum(items.values()):
+        items[f"peak phase: {floor_name}"] = floor / GIB - sum(items.values())
+    allocated = sum(items.values())
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
         # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
         logits_fp32 = 0.0 if plan.liger else 4.0 * micro_batch_tokens(plan, seq_len) * model.vocab_size / GIB
         reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * logits_fp32
+        if stages_gradients_to_host(plan):
+            reserved += c["offload_fragmentation_gib"]
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(
         items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB, budget_gib=budget, headroom=headroom
@@ -328,7 +411,7 @@ class NvmeSettings:
 
 def nvme_settings(model: ModelSpec) -> NvmeSettings:
     c = coefficients()["nvme"]
-    largest_tensor = max(model.embedding_params, model.hidden_size * model.intermediate_size)
+    largest_tensor = model.largest_tensor_params
     return NvmeSettings(
         sub_group_size=int(c["sub_group_size"]),
         optimizer_buffer_count=int(c["optimizer_buffer_count"]),

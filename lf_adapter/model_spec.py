@@ -17,6 +17,9 @@ UNGATED_MLP = frozenset({"starcoder2", "gpt_bigcode", "gpt_neox", "gpt2", "phi",
 LAYER_NORM = frozenset({"starcoder2", "gpt_bigcode", "gpt_neox", "gpt2", "phi", "opt", "falcon", "bloom"})
 # families with a norm before and after both the attention and the MLP (four per layer instead of two)
 SANDWICH_NORMS = frozenset({"gemma2", "gemma3", "gemma3_text", "olmo2"})
+# families whose q/k/v are one projection, and whose MLP's gate and up are one (a single input each)
+FUSED_QKV = frozenset({"phi3", "gpt_bigcode", "gpt_neox", "falcon", "bloom"})
+FUSED_GATE_UP = frozenset({"phi3"})
 # families that normalize each head's queries and keys (a weight of head_dim each)
 QK_NORM = frozenset({"qwen3", "olmo2", "gemma3", "gemma3_text"})
 
@@ -68,14 +71,41 @@ class ModelSpec:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.output_bias else 0)
         mlp = (3 if self.gated_mlp else 2) * h * f + ((f + h) if self.output_bias else 0)
-        norms = (4 if self.arch in SANDWICH_NORMS else 2) * self.norm_params + (
-            2 * self.head_dim if self.arch in QK_NORM else 0
-        )
+        norms = self.norms_per_layer * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + norms
 
     @property
+    def norms_per_layer(self) -> int:
+        """Hidden-width norms in one decoder layer (the q/k norms aside)."""
+        return 4 if self.arch in SANDWICH_NORMS else 2
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in QK_NORM
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorm (mean and variance, weight and bias) rather than RMSNorm."""
+        return self.arch in LAYER_NORM
+
+    @property
+    def qkv_projections(self) -> int:
+        """Linear layers reading the attention's input: one where q, k and v are fused, else three."""
+        return 1 if self.arch in FUSED_QKV else 3
+
+    @property
+    def mlp_input_projections(self) -> int:
+        """Linear layers reading the MLP's input: gate and up (fused into one in some families), or up alone."""
+        return 2 if self.gated_mlp and self.arch not in FUSED_GATE_UP else 1
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """Elements of the largest single weight: the embedding (or lm_head), else an MLP matrix."""
+        return max(self.embedding_params, self.hidden_size * self.intermediate_size)
+
+    @property
     def norm_params(self) -> int:
-        return (2 if self.arch in LAYER_NORM else 1) * self.hidden_size
+        return (2 if self.layer_norm else 1) * self.hidden_size
 
     @property
     def embedding_params(self) -> int:

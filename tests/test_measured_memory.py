@@ -12,12 +12,16 @@ def _meta(recipe) -> dict:
 
 
 def test_a_family_the_memory_model_was_not_checked_on_gets_extra_headroom(tmp_path):
-    out = tmp_path / "starcoder2"
-    result = run_lfa("generate", "--task", "pseudo2norm", "--model", "bigcode/starcoder2-3b", "--hardware", "h200",
-                     "-o", out)  # fmt: skip
+    shape = tmp_path / "mistral-shape"  # a family no zoo row measured
+    shape.mkdir()
+    config = dict(model_type="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+    (shape / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "mistral"
+    result = run_lfa("generate", "--task", "pseudo2norm", "--model", shape, "--hardware", "h200", "-o", out)
     assert result.returncode == 0, result.stderr
     text = (out / "train.yaml").read_text()
-    assert "# memory model: starcoder2 is not among the families" in text and "23% headroom instead of 12%" in text
+    assert "# memory model: mistral is not among the families" in text and "23% headroom instead of 12%" in text
     assert "23% headroom)" in text  # the batch reason prices it
     checked = run_lfa("generate", "--task", "pseudo2norm", "--model", "Qwen/Qwen3-1.7B", "--hardware", "h200",
                       "-o", tmp_path / "qwen3")  # fmt: skip

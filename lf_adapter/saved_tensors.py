@@ -1,0 +1,49 @@
+"""What autograd keeps per token for the backward of one decoder layer, tensor by tensor, from the architecture
+(bench/README.md "Activations by construction"). Pure functions; memory.py turns them into GiB."""
+
+from __future__ import annotations
+
+from .model_spec import ModelSpec
+
+SIXTEEN_BIT = 2.0
+FP32 = 4.0
+
+
+def _norm_bytes(model: ModelSpec, liger: bool, input_bytes: float) -> float:
+    """Per element of a norm's input: liger's RMSNorm and torch's LayerNorm keep the input itself; the modeling
+    code's RMSNorm keeps an fp32 copy (the input when it is fp32 already) and the normalized input in its dtype."""
+    if liger or model.layer_norm:
+        return input_bytes
+    return FP32 + input_bytes
+
+
+def saved_tensors_per_token(model: ModelSpec, sixteen_bit_model: bool, liger: bool) -> dict[str, float]:
+    """Bytes per token of each tensor one decoder layer keeps. Under autocast over fp32 weights (sixteen_bit_model
+    False) the residual stream and the norms' outputs are fp32, and every linear reading them keeps its own 16-bit
+    cast of its input; a 16-bit model's linears share their 16-bit input."""
+    h, f = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    residual = SIXTEEN_BIT if sixteen_bit_model else FP32
+    casts = 1 if sixteen_bit_model else None  # None: one cast per linear reading the norm's output
+    tensors = {
+        "norms before attention and MLP (their inputs)": 2 * _norm_bytes(model, liger, residual) * h,
+        "16-bit inputs of q/k/v": SIXTEEN_BIT * h * (casts or model.qkv_projections),
+        "attention kernel's q, k, v and output": SIXTEEN_BIT * (2 * q + 2 * kv),
+        "o_proj input (the attention output, made contiguous)": SIXTEEN_BIT * q,
+        "16-bit inputs of the MLP": SIXTEEN_BIT * h * (casts or model.mlp_input_projections),
+    }
+    if model.qkv_projections == 1:  # v is a view into the fused q/k/v output, which stays alive with it
+        tensors["the fused q/k/v output (v's storage)"] = SIXTEEN_BIT * (q + kv)
+    if model.qk_norm:  # applied to the 16-bit projections' outputs
+        tensors["q/k norms"] = _norm_bytes(model, liger, SIXTEEN_BIT) * (q + kv)
+    if model.norms_per_layer > 2:  # after the attention and the MLP, on their 16-bit outputs
+        tensors["norms after attention and MLP"] = (
+            (model.norms_per_layer - 2) * _norm_bytes(model, liger, SIXTEEN_BIT) * h
+        )
+    if not model.gated_mlp:
+        tensors["MLP: up's output, its activation"] = 2 * SIXTEEN_BIT * f
+    elif liger:
+        tensors["MLP: gate and up (liger's fused SwiGLU), down's input"] = 3 * SIXTEEN_BIT * f
+    else:
+        tensors["MLP: gate, its activation, up, down's input"] = 4 * SIXTEEN_BIT * f
+    return tensors

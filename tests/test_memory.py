@@ -1,0 +1,71 @@
+"""The memory model's terms for ZeRO-1/2 optimizer offload (bench/README.md "Capped offload plans")."""
+
+import json
+import re
+
+from conftest import REPO
+from lf_adapter.memory import coefficients, estimate, reduce_bucket_elements, stages_gradients_to_host
+from lf_adapter.model_spec import load_model_spec
+from lf_adapter.plan import Plan
+
+QWEN3 = "Qwen/Qwen3-1.7B"
+
+
+def _offload_plan(mbs: int, ga: int, **kw) -> Plan:
+    fields = dict(
+        liger=True, padding_free=True, sharding="zero2", offload="optimizer", alloc_conf="expandable_segments:True"
+    )
+    return Plan("fp16", mbs, ga, **{**fields, **kw})
+
+
+def test_the_reduce_bucket_priced_is_the_one_the_deepspeed_template_writes():
+    template = (REPO / "templates" / "deepspeed" / "zero.json.j2").read_text()
+    written = {float(v) for v in re.findall(r'"reduce_bucket_size": ([0-9.e+]+)', template)}
+    assert written == {reduce_bucket_elements()} == {float(coefficients()["deepspeed"]["reduce_bucket_elements"])}
+
+
+def test_zero2_offload_keeps_one_reduce_bucket_on_the_gpu_not_the_gradients():
+    spec = load_model_spec(QWEN3)
+    items = estimate(spec, _offload_plan(8, 1), 2048, 31.73).items
+    bucket = [v for k, v in items.items() if k.startswith("gradients (DeepSpeed's reduce bucket")]
+    assert bucket == [2.0 * reduce_bucket_elements() / 2**30]
+    assert "offload staging buffer (the largest weight, 16-bit)" in items
+    without_offload = estimate(spec, _offload_plan(8, 1, offload="none"), 2048, 31.73).items
+    assert not stages_gradients_to_host(_offload_plan(8, 1, offload="none"))
+    assert not any(k.startswith("gradients (DeepSpeed's") for k in without_offload)
+
+
+def test_a_sixteen_bit_model_needs_the_same_memory_whatever_the_accumulation():
+    spec = load_model_spec(QWEN3)
+    one, four = (estimate(spec, _offload_plan(8, ga), 2048, 139.0) for ga in (1, 4))
+    assert one.items == four.items and one.reserved_gib == four.reserved_gib
+
+
+def test_small_micro_batches_peak_at_the_end_of_the_backward_larger_ones_in_it():
+    spec = load_model_spec(QWEN3)
+    small = estimate(spec, _offload_plan(1, 1), 2048, 139.0)
+    large = estimate(spec, _offload_plan(16, 1), 2048, 139.0)
+    phase = [k for k in small.items if k.startswith("peak phase: end of the backward")]
+    assert phase and small.items[phase[0]] > 0
+    assert not any(k.startswith("peak phase") for k in large.items)
+    assert large.allocated_gib > small.allocated_gib
+
+
+def test_fewer_checkpointed_layers_keep_whole_layer_graphs():
+    spec = load_model_spec(QWEN3)
+    every = estimate(spec, _offload_plan(8, 1), 2048, 139.0)
+    half = estimate(spec, _offload_plan(8, 1, checkpoint_layers=14), 2048, 139.0)
+    assert "activations (14 layers not checkpointed)" in half.items
+    assert half.allocated_gib > every.allocated_gib + 10  # the probe measured 22.74 vs 8.55 GiB
+
+
+def test_the_probe_rows_are_priced_within_two_percent():
+    rows = json.loads((REPO / "bench" / "results" / "memory_probe.json").read_text())
+    assert len(rows) >= 5
+    spec = load_model_spec(QWEN3)
+    for row in rows:
+        mbs, ga = map(int, re.search(r"mbs(\d+)xga(\d+)", row["plan"]).groups())
+        k = int(re.search(r"/gc(\d+)/", row["plan"]).group(1))
+        plan = _offload_plan(mbs, ga, checkpoint_layers=None if k == spec.num_layers else k)
+        predicted = estimate(spec, plan, 2048, 139.0).allocated_gib
+        assert abs(row["peak_allocated_gib"] / predicted - 1) < 0.02, row["label"]
