@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
 # build the assets, run a bench; results land in $OUT.
-# usage: bash bench/device_run.sh calibrate|seed|offload|zoo [extra args]
+# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -16,7 +16,7 @@ cmd=$1; shift
 # offload.py builds the shapes its runs need; the other benches start from the 1.3B
 case "$cmd" in
   offload) ;;
-  zoo) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
+  zoo|probe) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
   *) [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning ;;
 esac
 if [ "$cmd" = calibrate ]; then
@@ -42,6 +42,10 @@ fi
 if [ "$cmd" = zoo ]; then  # model_zoo.py builds each zoo model, runs it, deletes it
   timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|capped)|^model |Traceback|Error" | tee $OUT/zoo.txt
   (cd $OUT && tar czf zoo_logs.tgz *.log && rm -f *.log)
+fi
+if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact token counts
+  timeout ${BENCH_TIMEOUT:-560} python3 bench/memory_probe.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[a-z0-9-]+ +fp16|^label |Traceback|Error" | tee $OUT/probe.txt
+  (cd $OUT && tar czf probe_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = seed ]; then
   timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^profile |^[a-z0-9_#.]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt

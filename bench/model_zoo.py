@@ -119,15 +119,16 @@ ZOO: dict[str, dict] = {
 HARDWARE = {"h200": ("h200", [], False), "capped": ("h200-capped-32g", ["--precision", "fp16"], True)}
 
 
-def build_model(assets: Path, name: str) -> Path:
-    """A random-weight bf16 checkpoint of the zoo shape `name`, beside the bench tokenizer (assets/model)."""
+def build_model(assets: Path, name: str, overrides: dict | None = None, suffix: str = "") -> Path:
+    """A random-weight bf16 checkpoint of the zoo shape `name` (with `overrides` of its config fields), beside the
+    bench tokenizer (assets/model)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = assets / ("zoo_" + name.replace("/", "__"))
+    folder = assets / ("zoo_" + name.replace("/", "__") + suffix)
     if (folder / "config.json").exists():
         return folder
-    shape = {"pad_token_id": 2, **ZOO[name]}  # the bench tokenizer's <pad>, <bos> and <eos> ids
+    shape = {"pad_token_id": 2, **ZOO[name], **(overrides or {})}  # the bench tokenizer's <pad>, <bos>, <eos> ids
     config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
     config.dtype = torch.bfloat16
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -143,24 +144,36 @@ def build_model(assets: Path, name: str) -> Path:
     return folder
 
 
-def run_one(name: str, hardware: str, model_dir: Path, work: Path, out: Path, steps: int) -> dict:
-    """lfa generate (the default plan) + lfa train on one zoo model; the row for model_zoo.json."""
+def run_one(
+    name: str,
+    hardware: str,
+    model_dir: Path,
+    work: Path,
+    out: Path,
+    steps: int,
+    plan_args: tuple[str, ...] = (),
+    dataset: Path | None = None,
+    key: str = "",
+) -> dict:
+    """lfa generate (the default plan, or the one plan_args pin) + lfa train on one zoo model; the row for
+    model_zoo.json. Each run has its own lfa cache folder, so no run plans from another's measured peak."""
     from lf_adapter.model_spec import load_model_spec
 
     profile, gen_args, capped = HARDWARE[hardware]
-    key = f"{name.split('/')[-1]}-{hardware}"
+    key = key or f"{name.split('/')[-1]}-{hardware}"
     folder, run_dir = work / key, work / "runs" / key
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    env["LFA_CACHE_DIR"] = str(work / "cache" / key)
     if capped:
         env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
     row = {"model": name, "model_type": ZOO[name]["model_type"], "hardware": profile}
     row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
     gen_rc = lfa(
         "generate", "--task", "pseudo2norm", "--model", str(model_dir),
-        "--dataset", str(work.parent / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args,
+        "--dataset", str(dataset or work.parent / "pseudo2norm.jsonl"), "--hardware", profile, *gen_args, *plan_args,
         "--set", f"max_steps={steps}", "--set", "save_strategy=no",
         "--save-steps", "100000", "--logging-steps", "1", "-o", str(folder), "--force",
-        log=out / f"{key}.gen.log",
+        env=env, log=out / f"{key}.gen.log",
     )  # fmt: skip
     if gen_rc != 0:
         row.update(plan=None, first_try_fit=None, note=(out / f"{key}.gen.log").read_text()[-600:])
@@ -266,7 +279,8 @@ def main() -> None:
             args.table.write_text(json.dumps(rows, indent=1))
         print_table(rows)
         return
-    names = [n for n in ZOO if not args.only or n in args.only.split(",") or n.split("/")[-1] in args.only.split(",")]
+    wanted = args.only.split(",") if args.only else [n.split("/")[-1] for n in ZOO]
+    names = [n for short in wanted for n in ZOO if short in (n, n.split("/")[-1])]  # in the order asked
     work = args.assets / "zoo"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
