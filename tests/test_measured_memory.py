@@ -14,8 +14,8 @@ def _meta(recipe) -> dict:
 def test_a_family_the_memory_model_was_not_checked_on_gets_extra_headroom(tmp_path):
     shape = tmp_path / "mistral-shape"  # a family no zoo row measured
     shape.mkdir()
-    config = dict(model_type="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+    config = dict(model_type="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16)
+    config.update(num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False)
     (shape / "config.json").write_text(json.dumps(config))
     out = tmp_path / "mistral"
     result = run_lfa("generate", "--task", "pseudo2norm", "--model", shape, "--hardware", "h200", "-o", out)

@@ -7,10 +7,12 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from conftest import REPO, run_lfa
 from lf_adapter.plan import Plan
 from lf_adapter.recipe.render import render_deepspeed
+from lf_adapter.review.lf_checks import installed_version, version_matches
 
 LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_config.json (no optimizer section)
     "train_batch_size": "auto",
@@ -26,9 +28,11 @@ LF_STOCK_Z2_OFFLOAD = {  # LLaMA-Factory's examples/deepspeed/ds_z2_offload_conf
 
 @pytest.fixture
 def clean_recipe(tmp_path):
-    """The v100-32g golden recipe with its data file present: what a reviewer should see with no findings."""
+    """The v100-32g golden recipe, as lfa generates it for the installed stack (the warmup key follows the installed
+    transformers), with its data file present: what a reviewer should see with no findings."""
     folder = tmp_path / "v100-32g"
-    shutil.copytree(REPO / "recipes" / "pseudo2norm" / "v100-32g", folder)
+    args = ("--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware", "v100-32g")
+    assert run_lfa("generate", *args, "-o", folder).returncode == 0
     (folder / "data").mkdir()
     row = {
         "instruction": "",
@@ -92,8 +96,8 @@ def _save_strategy_no(recipe):  # YAML 1.1 reads `no` as false
 
 
 def _typo(recipe):
-    _edit(recipe, r"^warmup_ratio:", "warmup_ration:")
-    return "warmup_ration", "error", "unknown_key"
+    _edit(recipe, r"^warmup_(ratio|steps):", "warmup_stepz:")
+    return "warmup_stepz", "error", "unknown_key"
 
 
 def _severity_here(package, accepted):
@@ -196,7 +200,7 @@ def test_each_real_mistake_gets_its_finding_at_its_line(clean_recipe, mistake):
 def test_unknown_key_suggests_the_nearest_valid_key(clean_recipe):
     _typo(clean_recipe)
     _, [review] = _review(clean_recipe)
-    assert "did you mean `warmup_ratio`" in next(f["message"] for f in review["findings"] if f["rule"] == "unknown_key")
+    assert "did you mean `warmup_steps`" in next(f["message"] for f in review["findings"] if f["rule"] == "unknown_key")
 
 
 def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_path):
@@ -209,7 +213,9 @@ def test_markdown_for_a_pr_comment_and_text_with_file_line(clean_recipe, tmp_pat
     assert md.startswith("## lfa review: 2 recipe(s), **1 error(s)**")
     assert f"### `{clean_recipe}`" in md and "No findings." in md
     assert "| ❌ error | " in md and "`bf16_unsupported`" in md
-    assert "| `fp16/mbs1xga64x1/gc6/sdpa` on v100-32g | 64 = 1 x 64 x 1 |" in md  # 6 of 24 layers recompute
+    meta = next(x for x in clean_recipe.read_text().splitlines() if x.startswith("# lfa-meta: "))
+    plan = json.loads(meta[len("# lfa-meta: ") :])["plan"]
+    assert plan.startswith("fp16/mbs1xga64x1/gc") and f"| `{plan}` on v100-32g | 64 = 1 x 64 x 1 |" in md
     text = run_lfa("review", broken / "train.yaml")
     assert (
         f"{broken / 'train.yaml'}:{_line_of(broken / 'train.yaml', 'bf16')}: error: [bf16_unsupported]" in text.stdout
@@ -293,3 +299,28 @@ def test_offload_over_host_ram_is_an_error(clean_recipe, tmp_path):
     [finding] = [f for f in review["findings"] if f["rule"] == "host_memory_over"]
     assert finding["severity"] == "error" and "64 GiB" in finding["message"]
     assert review["summary"]["host_gib"] > 64
+
+
+def test_a_warmup_ratio_written_as_warmup_steps_is_an_error_where_transformers_reads_it_as_steps(clean_recipe):
+    clean_recipe.write_text(
+        re.sub(r"^warmup_(ratio|steps): .*", "warmup_steps: 0.02", clean_recipe.read_text(), flags=re.M)
+    )
+    _, [review] = _review(clean_recipe)
+    found = [f for f in review["findings"] if f["rule"] == "warmup_steps_ratio"]
+    installed = installed_version("transformers")
+    if version_matches(installed, ">=5"):
+        assert not found  # transformers 5 reads it as a ratio of the total steps
+    else:
+        assert found[0]["severity"] == "error" and "`warmup_ratio: 0.02`" in found[0]["message"]
+
+
+def test_generate_writes_the_warmup_key_the_target_transformers_reads(tmp_path):
+    from lf_adapter.recipe.generate import GenerateRequest, generate
+    from lf_adapter.recipe.keys import warmup_key
+
+    assert (warmup_key("4.57.1"), warmup_key("5.6.0"), warmup_key("5.17.0")) == ("warmup_ratio", *["warmup_steps"] * 2)
+    for version, key in (("4.57.1", "warmup_ratio"), ("5.17.0", "warmup_steps")):
+        request = GenerateRequest(task="pseudo2norm", out_dir=tmp_path / version, hardware="v100-32g",
+                                  transformers_version=version, use_measured=False)  # fmt: skip
+        recipe = yaml.safe_load(generate(request).files["train.yaml"])
+        assert recipe[key] == 0.02 and not ({"warmup_ratio", "warmup_steps"} - {key}) & recipe.keys()

@@ -54,6 +54,7 @@ class GenerateRequest:
     pins: tuple[str, ...] = ()  # FIELD=VALUE plan fields fixed by the user
     launcher: str = "torchrun"
     llamafactory_version: str | None = None  # default: the installed one, else 0.9.5
+    transformers_version: str | None = None  # default: the installed one, else 5.6.0 (what LF 0.9.5 installs)
     precision: str | None = None
     sets: tuple[str, ...] = ()
     save_steps: int = 500
@@ -332,6 +333,7 @@ def generate(request: GenerateRequest) -> Generated:
         logging_steps=request.logging_steps,
         meta=meta,
         llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
+        transformers_version=request.transformers_version or versions.get("transformers") or "5.6.0",
         report_to=request.report_to,
         nvme=nvme_setup(chosen, spec, hardware),
         memory_note=margin.note,

@@ -15,6 +15,8 @@ from .generate import GenerateRequest, generate
 # golden recipes are written for this LLaMA-Factory unless their manifest entry names another (`llamafactory:`),
 # so `--check` gives the same answer whatever is installed
 GOLDEN_LLAMAFACTORY = "0.9.5"
+# and for the transformers that LLaMA-Factory release installs (CI's two stacks): it decides the warmup key
+GOLDEN_TRANSFORMERS = {"0.9.5": "5.6.0", "0.9.4": "4.57.1"}
 
 
 def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDEN_LLAMAFACTORY) -> GenerateRequest:
@@ -52,6 +54,7 @@ def _request_from_args(args: list[str], out_dir: Path, llamafactory: str = GOLDE
         pins=tuple(pins),
         launcher=values.get("launcher", "torchrun"),
         llamafactory_version=values.get("llamafactory_version", llamafactory),
+        transformers_version=GOLDEN_TRANSFORMERS.get(values.get("llamafactory_version", llamafactory), "4.57.1"),
         command="lfa generate " + shlex.join(args),
         use_measured=False,  # goldens come from the models alone, not from what this machine measured
     )

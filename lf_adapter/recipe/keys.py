@@ -6,6 +6,7 @@ launch environment a plan needs (launch_env) lives here too: launch.sh renders i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..hardware import HardwareProfile
@@ -18,6 +19,14 @@ from ..strategy import Offload, Optimizer, Sharding
 def truthy(value) -> bool:
     """A recipe flag as LLaMA-Factory reads it: true, 'true', '1' or 'yes'."""
     return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def warmup_key(transformers_version: str) -> str:
+    """The key that carries the warmup ratio: transformers 5 reads a float warmup_steps below 1 as a ratio of the
+    total steps (warmup_ratio is deprecated there and gone from 5.15); 4.x reads warmup_steps as a step count, so
+    it needs warmup_ratio."""
+    major = re.match(r"\d+", transformers_version)
+    return "warmup_steps" if major and int(major.group()) >= 5 else "warmup_ratio"
 
 
 def deepspeed_file_name(plan: Plan) -> str | None:

@@ -18,7 +18,15 @@ from ..plan import Plan
 from ..quoting import comment_text, shell_word, yaml_float, yaml_scalar
 from ..strategy import Sharding
 from ..tasks import TaskSpec, chat_template_files
-from .keys import ACCELERATE_FSDP2_FILE, OPTIMIZER_KEYS, deepspeed_file_name, export_line, launch_env, plan_keys
+from .keys import (
+    ACCELERATE_FSDP2_FILE,
+    OPTIMIZER_KEYS,
+    deepspeed_file_name,
+    export_line,
+    launch_env,
+    plan_keys,
+    warmup_key,
+)
 
 
 def _environment() -> jinja2.Environment:
@@ -56,6 +64,7 @@ class RecipeInputs:
     logging_steps: int = 10
     meta: dict = field(default_factory=dict)
     llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
+    transformers_version: str = "5.6.0"  # which warmup key to write (keys.warmup_key)
     report_to: str = "none"  # one of REPORT_TO
     nvme: NvmeSetup | None = None  # the swap folder of an NVMe offload plan
     memory_note: str = ""  # extra headroom or a measured peak the plan rests on
@@ -174,6 +183,8 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         save_total_limit=3,
         ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
         ray_logical_cpus=ray_logical_cpus(inputs.hardware),
+        warmup_key=warmup_key(inputs.transformers_version),
+        transformers_version=inputs.transformers_version,
         report_to=inputs.report_to,
         optimizer_keys=OPTIMIZER_KEYS[plan.optimizer],
         memory_note=inputs.memory_note,

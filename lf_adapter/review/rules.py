@@ -382,6 +382,25 @@ def version_dependent_keys(c: RuleContext) -> None:
         )
 
 
+@rule("warmup_steps_ratio")
+def warmup_steps_as_ratio(c: RuleContext) -> None:
+    """transformers 5 reads a warmup_steps below 1 as a ratio; 4.x reads it as a step count: no warmup at all."""
+    value = c.d.get("warmup_steps")
+    if not isinstance(value, float) or not 0 < value < 1:
+        return
+    installed = installed_version("transformers")
+    if installed is not None and version_matches(installed, ">=5"):
+        return
+    c.add(
+        "warning" if installed is None else "error",
+        "warmup_steps_ratio",
+        f"`warmup_steps: {value}` is a ratio of the total steps only on transformers >= 5"
+        + (f"; the installed {installed} reads it as a step count and trains without warmup" if installed else "")
+        + f": on transformers 4 write `warmup_ratio: {value}`",
+        "warmup_steps",
+    )
+
+
 @rule("plugin_template")
 def plugin_template_launch(c: RuleContext) -> None:
     template, launch = c.d.get("template"), c.launch
