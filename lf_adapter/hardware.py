@@ -297,14 +297,44 @@ def installed_versions(names=SOFTWARE) -> dict[str, str | None]:
     return versions
 
 
-# packages whose version LLaMA-Factory pins a range for (its own requirements say which)
+# packages whose version LLaMA-Factory pins a range for (its import-time check, else its requirements, say which)
 LF_RANGED = ("transformers", "trl", "accelerate", "peft", "datasets")
+# LLaMA-Factory's own check at import: check_dependencies() in llamafactory/extras/misc.py
+LF_RUNTIME_CHECK = re.compile(r'check_version\(\s*"([A-Za-z0-9_.-]+)([^"]*)"\s*\)')
 
 
-def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[str]) -> list[str]:
+def llamafactory_runtime_ranges() -> dict[str, str]:
+    """The version ranges the installed LLaMA-Factory checks when it is imported (wider than its wheel's metadata
+    for some packages), read from its source without importing it; {} where they cannot be found."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("llamafactory")
+    except (ImportError, ValueError):
+        return {}
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    misc = Path(next(iter(spec.submodule_search_locations))) / "extras" / "misc.py"
+    try:
+        source = misc.read_text()
+    except OSError:
+        return {}
+    body = source.partition("def check_dependencies")[2].partition("\ndef ")[0]
+    return {name.lower(): spec for name, spec in LF_RUNTIME_CHECK.findall(body) if name.lower() in LF_RANGED}
+
+
+def software_pairs() -> list[dict]:
+    return yaml.safe_load((catalog_dir() / "software_pairs.yaml").read_text()) or []
+
+
+def stack_problems(
+    versions: dict[str, str | None], llamafactory_requires: list[str], runtime_ranges: dict[str, str] | None = None
+) -> list[str]:
     """Known-bad combinations in an installed stack, each with its fix. versions: package -> version (None when
-    absent), numpy and pyarrow included; llamafactory_requires: the installed LLaMA-Factory's requirement lines."""
+    absent), numpy and pyarrow included; llamafactory_requires: the installed LLaMA-Factory's requirement lines;
+    runtime_ranges: what it checks at import (llamafactory_runtime_ranges), which decides where it is known."""
     from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     def parsed(name: str):
@@ -321,24 +351,37 @@ def stack_problems(versions: dict[str, str | None], llamafactory_requires: list[
             "LLaMA-Factory's data loading) fails to import; fix: pip install 'pyarrow<21'"
         )
     lf = versions.get("llamafactory")
+    ranges = {}
     for line in llamafactory_requires:
         try:
             requirement = Requirement(line)
         except InvalidRequirement:
             continue
-        if requirement.marker is not None and "extra" in str(requirement.marker):
+        if requirement.marker is None or "extra" not in str(requirement.marker):
+            ranges[requirement.name.lower()] = (requirement.specifier, "range")
+    for name, spec in (runtime_ranges or {}).items():
+        try:
+            ranges[name] = (SpecifierSet(spec), "import-time check")
+        except ValueError:
             continue
-        installed = parsed(requirement.name) if requirement.name in LF_RANGED else None
-        if (
-            installed is not None
-            and requirement.specifier
-            and not requirement.specifier.contains(installed, prereleases=True)
-        ):
+    for name in LF_RANGED:
+        installed = parsed(name)
+        specifier, source = ranges.get(name, (None, ""))
+        if installed is not None and specifier and not specifier.contains(installed, prereleases=True):
             problems.append(
-                f"{requirement.name} {installed} is outside LLaMA-Factory {lf}'s range "
-                f"({requirement.specifier}): untested pairs break in training; fix: "
-                f"pip install '{requirement.name}{requirement.specifier}'"
+                f"{name} {installed} is outside LLaMA-Factory {lf}'s {source} ({specifier}): untested pairs "
+                f"break in training; fix: pip install '{name}{specifier}'"
             )
+    lf_version = parsed("llamafactory")
+    for pair in software_pairs():
+        installed = parsed(pair["package"])
+        if installed is None or lf_version is None:
+            continue
+        lf_release = Version(lf_version.base_version)  # 0.9.5.dev0 is the 0.9.5 line
+        if SpecifierSet(pair["versions"]).contains(installed, prereleases=True) and SpecifierSet(
+            pair["llamafactory"]
+        ).contains(lf_release, prereleases=True):
+            problems.append(f"{pair['package']} {installed} with LLaMA-Factory {lf}: {pair['why']}; fix: {pair['fix']}")
     return problems
 
 
@@ -348,7 +391,7 @@ def installed_stack_problems() -> list[str]:
         requires = importlib.metadata.requires("llamafactory") or []
     except importlib.metadata.PackageNotFoundError:
         requires = []
-    return stack_problems(versions, requires)
+    return stack_problems(versions, requires, llamafactory_runtime_ranges())
 
 
 def hub_status(check_network: bool = True, timeout_s: float = 2.0) -> dict:

@@ -29,6 +29,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "failures"
         ("zero3_min_lr_scheduler_h200.log", "scheduler_min_lr_zero3", True),
         # captured here: LLaMA-Factory 0.9.5 + Ray 2.60, USE_RAY=1 on a 2-CPU machine (it then waits forever)
         ("ray_unschedulable_cpu_lf095.log", "ray_unschedulable", False),
+        # captured here: LLaMA-Factory 0.9.5 with trl 0.29.0, its version check on, then DISABLE_VERSION_CHECK=1
+        ("stack_trl_version_check_lf095.log", "software_stack", False),
+        ("stack_trl_import_lf095.log", "software_stack", False),
     ],
 )
 def test_real_error_texts_are_classified(fixture, kind, retriable):

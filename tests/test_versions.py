@@ -68,6 +68,22 @@ def test_known_bad_stacks_are_named_with_their_fix():
     assert stack_problems({"numpy": "2.4.6", "pyarrow": "26.0.0", "llamafactory": "0.9.5"}, []) == []
 
 
+def test_ranges_come_from_llamafactorys_import_time_check_and_broken_pairs_are_named():
+    from lf_adapter.hardware import llamafactory_runtime_ranges, stack_problems
+
+    lf095 = ["accelerate<=1.11.0,>=1.3.0", "peft<=0.18.1,>=0.18.0", "trl<=0.24.0,>=0.18.0"]
+    runtime = {"accelerate": ">=1.3.0,<=1.15.0", "peft": ">=0.18.0,<=0.20.0", "trl": ">=0.18.0,<=0.24.0"}
+    stack = {"llamafactory": "0.9.5", "accelerate": "1.12.0", "peft": "0.19.0", "trl": "0.24.0"}
+    assert len(stack_problems(stack, lf095)) == 2  # the wheel's metadata alone: both outside
+    assert stack_problems(stack, lf095, runtime) == []  # what LLaMA-Factory accepts when it runs
+    [outside, removed] = stack_problems({**stack, "trl": "0.29.0"}, lf095, runtime)
+    assert "trl 0.29.0 is outside LLaMA-Factory 0.9.5's import-time check" in outside
+    assert "removed AutoModelForCausalLMWithValueHead" in removed and "pip install 'trl<0.29'" in removed
+    assert stack_problems({**stack, "llamafactory": "0.9.6", "trl": "0.29.0"}, [], {}) == []  # a later LF: not known
+    ranges = llamafactory_runtime_ranges()  # the installed LLaMA-Factory's own check_dependencies()
+    assert set(ranges) <= {"transformers", "trl", "accelerate", "peft", "datasets"} and "transformers" in ranges
+
+
 def test_detect_reports_the_installed_stack_and_its_problems_as_notes():
     from conftest import run_lfa
 
