@@ -20,7 +20,7 @@ from .memory import (
 )
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
-from .strategy import Offload, Optimizer, Sharding, normalized_sharding, violations
+from .strategy import NOT_PLANNED, Offload, Optimizer, Sharding, normalized_sharding, violations
 from .throughput import predict_tokens_per_s, within_checked_sizes
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -126,6 +126,12 @@ def padding_free_exact_here(hardware: HardwareProfile) -> bool:
     return hardware.has_gpu and hardware.gpu.cc >= (8, 0)
 
 
+BUDGET_UNDER_ENGINE = (
+    "token_budget under DeepSpeed or FSDP: their engines own gradient accumulation, so lfa's plugin trains the "
+    "recipe's fixed micro-batches and ignores the budget; drop the budget or the sharding pin"
+)
+
+
 def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: bool, pinned_budget: int | None):
     """(micro_batch_size, token_budget) pairs to price: fixed micro-batches of every power-of-two size, and token
     budgets of BUDGET_ROWS x cutoff_len; a budget's micro_batch_size is the largest fixed size within it (what
@@ -153,6 +159,9 @@ def candidate_plans(
     pins are added to `forbidden` (their why), for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
+    pinned_sharding = options.fixed.get("sharding")
+    if pinned_sharding in NOT_PLANNED:
+        raise UserError(f"--pin sharding={pinned_sharding}: {NOT_PLANNED[pinned_sharding]}")
     if options.fixed.get("checkpoint_layers", 0) > model.num_layers:
         raise UserError(
             f"--pin checkpoint_layers={options.fixed['checkpoint_layers']}: {model.name} has {model.num_layers} "
@@ -208,8 +217,12 @@ def candidate_plans(
     for (mbs, budget), gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
         shapes, [False, True], liger, attention, ds, packing, padding_free, optimizers
     ):
-        if budget and (stage is not None or pack or optimizer == Optimizer.BADAM) and not pinned_budget:
-            continue  # DeepSpeed owns accumulation; packed rows fill cutoff_len already; BAdam switches per step
+        if budget and stage is not None:  # the plugin trains DeepSpeed's and FSDP's fixed micro-batches
+            if pinned_budget and forbidden is not None:
+                forbidden.add(BUDGET_UNDER_ENGINE)
+            continue
+        if budget and (pack or optimizer == Optimizer.BADAM) and not pinned_budget:
+            continue  # packed rows fill cutoff_len already; BAdam switches per step
         plan = Plan(
             precision=precision,
             micro_batch_size=mbs,

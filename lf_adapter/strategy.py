@@ -96,6 +96,13 @@ def normalized_sharding(value: str | None, world_size: int) -> str:
     return sharding
 
 
+# strategies lfa reads in recipes but never plans, and why: a pin of one is refused with this
+NOT_PLANNED = {
+    Sharding.ZERO1: "lfa does not plan ZeRO-1: on one GPU it shards nothing, and on several ZeRO-2 shards the "
+    "optimizer states as ZeRO-1 does and the gradients too, for the same communication volume; pin sharding=zero2",
+}
+
+
 @dataclass(frozen=True)
 class Constraint:
     rule: str  # also the review finding's rule id

@@ -120,3 +120,20 @@ def test_a_misspelled_ladder_step_or_catalog_key_is_found(monkeypatch, tmp_path)
     monkeypatch.setattr(model_spec, "catalog_dir", lambda: tmp_path)
     with pytest.raises(UserError, match="'org/m: hiden_size' \\(did you mean 'org/m: hidden_size'\\?\\)"):
         model_spec.catalog()
+
+
+def test_a_pin_the_planner_never_proposes_is_refused_with_the_reason():
+    from lf_adapter import UserError
+    from lf_adapter.hardware import load_profile
+    from lf_adapter.model_spec import load_model_spec
+    from lf_adapter.planner import PlanOptions, plan
+
+    spec, a100 = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile("a100-80g")
+    with pytest.raises(UserError, match="does not plan ZeRO-1.*pin sharding=zero2"):
+        plan(spec, a100, 64, 2048, PlanOptions(fixed={"sharding": "zero1"}))
+    budget_under_zero3 = PlanOptions(fixed={"sharding": "zero3", "token_budget": 8192})
+    with pytest.raises(UserError, match="token_budget under DeepSpeed or FSDP"):
+        plan(spec, a100, 64, 2048, budget_under_zero3)
+    small = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
+    dgx = plan(small, load_profile("dgx-a100-80g"), 64, 2048, PlanOptions(fixed={"token_budget": 8192}))
+    assert all(not c.plan.deepspeed for c in [dgx.chosen, *dgx.runners_up])  # never priced under an engine
