@@ -324,3 +324,20 @@ def test_generate_writes_the_warmup_key_the_target_transformers_reads(tmp_path):
                                   transformers_version=version, use_measured=False)  # fmt: skip
         recipe = yaml.safe_load(generate(request).files["train.yaml"])
         assert recipe[key] == 0.02 and not ({"warmup_ratio", "warmup_steps"} - {key}) & recipe.keys()
+
+
+@pytest.mark.parametrize("optimizer, key", [("badam", "use_badam"), ("adamw_8bit", "optim")])
+def test_lfa_diff_files_an_optimizer_change_under_training_results(tmp_path, optimizer, key):
+    base = ("generate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware", "h200")
+    assert run_lfa(*base, "-o", tmp_path / "adamw").returncode == 0
+    changed = run_lfa(*base, "--allow-optimizer-change", "--pin", f"optimizer={optimizer}", "-o", tmp_path / "new")
+    assert changed.returncode == 0, changed.stderr
+    old_recipe, new_recipe = tmp_path / "adamw" / "train.yaml", tmp_path / "new" / "train.yaml"
+    diff = json.loads(run_lfa("diff", old_recipe, new_recipe, "--format", "json").stdout)
+    groups = {c["key"]: c["group"] for c in diff["changes"]}
+    assert groups["optimizer"] == "results" and groups[key] == "results"
+    assert "other" not in groups.values()  # nothing that changes what is trained is filed as bookkeeping
+    # the same warmup ratio under transformers 4's key and 5's is no change
+    new_recipe.write_text(re.sub(r"^warmup_steps:", "warmup_ratio:", new_recipe.read_text(), flags=re.M))
+    renamed = json.loads(run_lfa("diff", old_recipe, new_recipe, "--format", "json").stdout)
+    assert not any(c["key"].startswith("warmup") for c in renamed["changes"])

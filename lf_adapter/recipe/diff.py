@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import UserError
 from ..strategy import Offload
-from .keys import precision_from_keys
+from .keys import OPTIMIZER_KEYS, optimizer_from_keys, precision_from_keys
 from .read import Recipe, deepspeed_setup
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
@@ -44,6 +44,8 @@ RESULT_KEYS = [
     "max_samples",
     "val_size",
 ]
+# what is trained: the optimizer and every key an optimizer sets (BAdam's, 8-bit AdamW's)
+RESULT_KEYS += ["optimizer"] + sorted({k for keys in OPTIMIZER_KEYS.values() for k in keys} - set(RESULT_KEYS))
 # Keys that change speed or memory but not the result (given the same effective batch).
 SPEED_KEYS = [
     "per_device_train_batch_size",
@@ -85,6 +87,10 @@ def semantic_view(recipe: Recipe) -> dict:
         (recipe.meta.get("hardware") or {}).get("nodes", 1) or 1
     )
     data["precision"] = precision_from_keys(data)
+    data["optimizer"] = str(optimizer_from_keys(data))
+    warmup = data.get("warmup_steps")
+    if "warmup_ratio" not in data and isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio
+        data["warmup_ratio"] = data.pop("warmup_steps")
     data.pop("bf16", None), data.pop("fp16", None)
     data["world_size"] = world
     data["effective_batch_size"] = (
