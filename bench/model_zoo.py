@@ -229,6 +229,29 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return f"{100 * value:+.1f}%" if fmt == "%" else format(value, fmt)
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The measured rows as bench/README.md's table (--markdown)."""
+    lines = [
+        "| model (model_type) | card | plan | run | 1st try | pred GiB | peak GiB | err | now GiB | err now | "
+        "pred tok/s | tok/s | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r.get("peak_reserved_gib") or not r.get("plan"):
+            continue
+        card = "capped" if "capped" in r["hardware"] else "H200"
+        fit = " **fit**" if r.get("used_for_fit") else ""
+        lines.append(
+            f"| {r['model'].split('/')[-1]} ({r['model_type']}){fit} | {card} | {r['plan']} | "
+            f"{r.get('run', '-').replace('h200_', '')} | {'yes' if r.get('first_try_fit') else '**no**'} | "
+            f"{_cell(r, 'predicted_reserved_gib', '.2f')} | {_cell(r, 'peak_reserved_gib', '.2f')} | "
+            f"{_cell(r, 'reserved_error', '%')} | {_cell(r, 'repriced_reserved_gib', '.2f')} | "
+            f"{_cell(r, 'repriced_error', '%')} | {_cell(r, 'predicted_tokens_per_s', ',.0f')} | "
+            f"{_cell(r, 'steady_tokens_per_s', ',.0f')} | {_cell(r, 'speed_error', '%')} |"
+        )
+    return "\n".join(lines)
+
+
 def reprice(rows: list[dict]) -> None:
     """Each measured row's plan priced again by the memory model as it is now (repriced_reserved_gib): how a refit
     does on rows it was not fitted on. The zoo shapes come from lfa's catalog (the same hub names)."""
@@ -271,13 +294,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--table", type=Path, help="print the table of a model_zoo.json and exit")
     parser.add_argument("--reprice", action="store_true", help="with --table: price each row with today's model")
+    parser.add_argument("--markdown", action="store_true", help="with --table: bench/README.md's table")
     args = parser.parse_args()
     if args.table:
         rows = json.loads(args.table.read_text())
         if args.reprice:
             reprice(rows)
             args.table.write_text(json.dumps(rows, indent=1))
-        print_table(rows)
+        print(markdown_table(rows) if args.markdown else "", end="\n" if args.markdown else "")
+        if not args.markdown:
+            print_table(rows)
         return
     wanted = args.only.split(",") if args.only else [n.split("/")[-1] for n in ZOO]
     names = [n for short in wanted for n in ZOO if short in (n, n.split("/")[-1])]  # in the order asked
