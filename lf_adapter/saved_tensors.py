@@ -24,13 +24,14 @@ def saved_tensors_per_token(model: ModelSpec, sixteen_bit_model: bool, liger: bo
     h, f = model.hidden_size, model.intermediate_size
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     residual = SIXTEEN_BIT if sixteen_bit_model else FP32
-    casts = 1 if sixteen_bit_model else None  # None: one cast per linear reading the norm's output
+    qkv_inputs = 1 if sixteen_bit_model else model.qkv_projections
+    mlp_inputs = 1 if sixteen_bit_model else model.mlp_input_projections
     tensors = {
         "norms before attention and MLP (their inputs)": 2 * _norm_bytes(model, liger, residual) * h,
-        "16-bit inputs of q/k/v": SIXTEEN_BIT * h * (casts or model.qkv_projections),
+        "16-bit inputs of q/k/v": SIXTEEN_BIT * h * qkv_inputs,
         "attention kernel's q, k, v and output": SIXTEEN_BIT * (2 * q + 2 * kv),
         "o_proj input (the attention output, made contiguous)": SIXTEEN_BIT * q,
-        "16-bit inputs of the MLP": SIXTEEN_BIT * h * (casts or model.mlp_input_projections),
+        "16-bit inputs of the MLP": SIXTEEN_BIT * h * mlp_inputs,
     }
     if model.qkv_projections == 1:  # v is a view into the fused q/k/v output, which stays alive with it
         tensors["the fused q/k/v output (v's storage)"] = SIXTEEN_BIT * (q + kv)
