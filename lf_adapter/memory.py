@@ -207,7 +207,9 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
     if plan.attention == "eager":
-        per_token_layer += act["eager_attention_bytes_per_score"] * model.num_heads * seq_len
+        # soft-capping (Gemma-2) squashes the scores through tanh, which keeps its 16-bit output too
+        per_score = act["eager_attention_bytes_per_score"] + (2.0 if model.attention_softcap else 0.0)
+        per_token_layer += per_score * model.num_heads * seq_len
     logits = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
     if plan.optimizer == Optimizer.BADAM:
         graph_layers = badam_graph_layers(model, plan)

@@ -57,6 +57,17 @@ class ModelSpec:
         return None
 
     @property
+    def sdpa_problem(self) -> str | None:
+        """Why torch's SDPA (and its varlen kernel) would not compute this family's attention."""
+        if self.attention_softcap:
+            return (
+                f"{self.arch} soft-caps its attention scores (attn_logit_softcapping {self.attention_softcap:g}), "
+                "which transformers computes only in eager attention and flash-attn 2: SDPA would train a "
+                "different attention"
+            )
+        return None
+
+    @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
 

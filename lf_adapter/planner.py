@@ -177,6 +177,10 @@ def candidate_plans(
     attention = (
         ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
     )
+    if model.sdpa_problem:
+        if options.fixed.get("attention") == "sdpa":
+            raise UserError(f"--pin attention=sdpa: {model.sdpa_problem}")
+        attention = [a for a in attention if a != "sdpa"] or ["eager"]
     packing = [True, False] if options.allow_packing else [False]
     family_problem = model.padding_free_problem(seq_len)
     if family_problem and options.fixed.get("padding_free"):
@@ -721,7 +725,7 @@ def explain(
         "attention": {
             "sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
             "fa2": "fa2: flash-attn is installed",
-            "eager": "eager: fits and is as fast here",
+            "eager": f"eager: {model.sdpa_problem}" if model.sdpa_problem else "eager: fits and is as fast here",
             "auto": "auto",
         }[p.attention],
         "deepspeed": (

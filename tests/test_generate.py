@@ -263,3 +263,16 @@ def test_a_token_budget_below_cutoff_len_is_priced_as_a_row_of_cutoff_len():
     small = estimate(spec, Plan("bf16", 1, 64, token_budget=1024), 2048, 80.0)
     row = estimate(spec, Plan("bf16", 1, 64, token_budget=2048), 2048, 80.0)
     assert small.reserved_gib == row.reserved_gib  # a 2,048-token row goes alone, whatever the budget
+
+
+def test_a_soft_capped_family_is_never_planned_with_sdpa_which_drops_the_capping():
+    from lf_adapter import UserError
+
+    gemma2 = load_model_spec("google/gemma-2-2b")
+    result = plan(gemma2, load_profile("h200"), 64, 2048)
+    assert all(c.plan.attention != "sdpa" for c in [result.chosen, *result.runners_up])
+    assert "soft-caps its attention scores" in result.chosen.plan.reasons["attention"]
+    with pytest.raises(UserError, match="attention=sdpa: gemma2 soft-caps"):
+        plan(gemma2, load_profile("h200"), 64, 2048, PlanOptions(fixed={"attention": "sdpa"}))
+    llama = plan(load_model_spec("meta-llama/Llama-3.2-3B"), load_profile("h200"), 64, 2048)
+    assert llama.chosen.plan.attention == "sdpa"
