@@ -942,8 +942,8 @@ def report(run, out_dir):
 
     Example: lfa report runs/v100-32g
     """
+    from .guard import report_dir_problem
     from .run.control import resolve_run_dir
-    from .run.guard import report_dir_problem
     from .run.report import summary_lines, write_report
 
     run_dir = resolve_run_dir(run)

@@ -4,7 +4,7 @@ NVML's utilization is the share of time in its last sample period (1/6 s to 1 s)
 reading at the end of a step says little about the step (the H200 1.3B run read 17-80% while it held 41.7% MFU).
 The driver keeps a buffer of its own samples: nvmlDeviceGetSamples returns those taken since a timestamp, so each
 step gets the mean, min and max of every sample inside it. Where the buffer is not supported, a thread polls every
-POLL_S instead. The NVML session and handle are the process's one (hardware.nvml).
+POLL_S instead. The NVML session and handle are the process's one (nvml_session.nvml).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ _SAMPLER: dict = {}
 def step_sampler(local_rank: int) -> StepGpuSampler | None:
     """This process's sampler for its GPU (created at the first call), None without NVML."""
     if "sampler" not in _SAMPLER:
-        from ..hardware import nvml, nvml_handle, visible_gpu_indices
+        from ..nvml_session import nvml, nvml_handle, visible_gpu_indices
 
         lib = nvml()
         indices = visible_gpu_indices() if lib is not None else []

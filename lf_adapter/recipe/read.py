@@ -254,3 +254,17 @@ def file_fingerprint(path: Path, edge_bytes: int = 1 << 20) -> str:
             handle.seek(max(edge_bytes, size - edge_bytes))
             digest.update(handle.read(edge_bytes))
     return f"{size}:{digest.hexdigest()[:16]}"
+
+
+def launch_script(recipe: Recipe) -> str | None:
+    """The launch.sh beside the recipe (lfa writes one), or None."""
+    launch = recipe.folder / "launch.sh"
+    return launch.read_text() if launch.is_file() else None
+
+
+def recipe_workdir(recipe: Recipe, workdir: str | Path | None) -> Path:
+    """Where llamafactory-cli will run, which is what LLaMA-Factory resolves relative paths against: --workdir, else
+    the recipe's folder for lfa recipes (lfa train and lfa's launch.sh run there), else the current directory."""
+    if workdir is not None:
+        return Path(workdir)
+    return recipe.folder if recipe.meta or launch_script(recipe) is not None else Path.cwd()

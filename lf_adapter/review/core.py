@@ -11,10 +11,18 @@ from pathlib import Path
 from .. import UserError
 from ..model_spec import ModelSpec
 from ..recipe.diff import semantic_diff, semantic_view
-from ..recipe.read import Recipe, deepspeed_setup, load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
+from ..recipe.read import (
+    Recipe,
+    deepspeed_setup,
+    load_recipe,
+    plan_from_recipe,
+    recipe_hardware,
+    recipe_model_spec,
+    recipe_workdir,
+)
 from .findings import SEVERITIES, Finding, RecipeReview, key_lines
 from .lf_checks import llamafactory_findings
-from .rules import launch_script, lfa_findings
+from .rules import lfa_findings
 from .summary import summarize
 
 
@@ -49,14 +57,6 @@ def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
                 (Path(scratch) / str(ds)).parent.mkdir(parents=True, exist_ok=True)
                 (Path(scratch) / str(ds)).write_text(ds_text.stdout)
         return semantic_view(recipe), base_ref
-
-
-def recipe_workdir(recipe: Recipe, workdir: str | Path | None) -> Path:
-    """Where llamafactory-cli will run, which is what LLaMA-Factory resolves relative paths against: --workdir, else
-    the recipe's folder for lfa recipes (lfa train and lfa's launch.sh run there), else the current directory."""
-    if workdir is not None:
-        return Path(workdir)
-    return recipe.folder if recipe.meta or launch_script(recipe) is not None else Path.cwd()
 
 
 def review_recipe(

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..guard import forbidden_output_dir, foreign_entries, read_marker
 from ..hardware import HardwareProfile
 from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
-from ..recipe.read import Recipe, nvme_swap_folders
-from ..run.guard import forbidden_output_dir, foreign_entries, read_marker
+from ..recipe.read import Recipe, launch_script, nvme_swap_folders
 from ..strategy import CONSTRAINTS, Offload, violations
 from ..tasks import TaskSpec, chat_template_files, load_task, task_files
 from .findings import Finding, raw_scalars
@@ -25,11 +25,6 @@ from .summary import count_dataset_rows
 PATH_KEYS = ("model_name_or_path", "dataset_dir", "output_dir", "deepspeed", "tokenized_path", "adapter_name_or_path")
 EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def launch_script(recipe: Recipe) -> str | None:
-    launch = recipe.folder / "launch.sh"
-    return launch.read_text() if launch.is_file() else None
 
 
 def _resolve(workdir: Path, recipe: Recipe, value: str) -> tuple[Path, str]:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from .. import UserError
 from ..recipe.keys import LaunchEnv, export_line, launch_env, plan_keys
-from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware
-from ..review.core import recipe_workdir
+from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware, recipe_workdir
 from .monitor import Failure, LineReader, classify, failure_classes
 from .remedies import Attempt, Remedy, next_remedy
 from .supervisor import key_changes, recovery_context, resolved_text, trained_model_spec, write_deepspeed_config

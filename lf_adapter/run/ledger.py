@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 from .. import UserError
+from ..guard import LEDGER_NAME, SUPERVISOR_FILE  # noqa: F401 (the ledger's file names, re-exported)
 
 RunState = Literal["new", "starting", "running", "succeeded", "failed", "stopped"]
 AttemptState = Literal["succeeded", "failed", "stopped", "supervisor died"]
 FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "stopped"})
-LEDGER_NAME = "ledger.json"
-SUPERVISOR_FILE = "supervisor.pid"  # a detached run's supervisor (its ProcessRecord as JSON) until the ledger exists
 
 
 @dataclass

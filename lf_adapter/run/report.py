@@ -735,7 +735,7 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
     import markupsafe
 
     from .. import templates_dir
-    from .guard import REPORT_MARK
+    from ..guard import REPORT_MARK
 
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir() / "report")),

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from .. import UserError
 from ..data import dataset_problems
-from ..hardware import HardwareProfile, gpu_used_gib, installed_versions, nearest_existing
+from ..guard import claim_output_dir, foreign_entries, output_dir_problem, run_dir_problem
+from ..hardware import HardwareProfile, installed_versions, nearest_existing
 from ..measured import OVER_PREDICTION, MeasuredPeak, card_key, now_iso, record_peak, shape_key
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
 from ..model_spec import ModelSpec, load_model_spec
+from ..nvml_session import gpu_used_gib
 from ..plan import Plan
 from ..planner import predict
 from ..plugin import contract
@@ -44,7 +46,6 @@ from ..recipe.render import nvme_setup, render_accelerate_config, render_deepspe
 from ..strategy import Sharding
 from ..throughput import speed_basis, within_checked_sizes
 from .control import trainer_record
-from .guard import claim_output_dir, foreign_entries, output_dir_problem, run_dir_problem
 from .ledger import (
     LEDGER_NAME,
     SUPERVISOR_FILE,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .ledger import LEDGER_NAME, SUPERVISOR_FILE
+LEDGER_NAME = "ledger.json"
+SUPERVISOR_FILE = "supervisor.pid"  # a detached run's supervisor (its ProcessRecord as JSON) until the ledger exists
 
 MARKER = ".lfa-output.json"  # written into output_dir at first use: which run owns it
 # what lfa itself leaves in an output_dir before the marker existed: its locks
