@@ -341,3 +341,17 @@ def test_lfa_diff_files_an_optimizer_change_under_training_results(tmp_path, opt
     new_recipe.write_text(re.sub(r"^warmup_steps:", "warmup_ratio:", new_recipe.read_text(), flags=re.M))
     renamed = json.loads(run_lfa("diff", old_recipe, new_recipe, "--format", "json").stdout)
     assert not any(c["key"].startswith("warmup") for c in renamed["changes"])
+
+
+def test_warmup_ratio_is_an_error_only_where_transformers_removed_it(clean_recipe, monkeypatch):
+    from lf_adapter.review import rules
+    from lf_adapter.review.core import review_recipe
+
+    clean_recipe.write_text(
+        re.sub(r"^warmup_(ratio|steps): .*", "warmup_ratio: 0.02", clean_recipe.read_text(), flags=re.M)
+    )
+    for version, expected in (("4.56.1", []), ("5.6.0", []), ("5.17.0", ["error"])):
+        monkeypatch.setattr(rules, "installed_version", lambda package, v=version: v)
+        found = [f for f in review_recipe(clean_recipe).findings if f.rule.startswith("warmup")]
+        assert [f.severity for f in found] == expected, version
+    assert "`warmup_steps: 0.02`" in found[0].message

@@ -377,21 +377,30 @@ def version_dependent_keys(c: RuleContext) -> None:
         )
 
 
-@rule("warmup_steps_ratio")
-def warmup_steps_as_ratio(c: RuleContext) -> None:
-    """transformers 5 reads a warmup_steps below 1 as a ratio; 4.x reads it as a step count: no warmup at all."""
-    value = c.d.get("warmup_steps")
-    if not isinstance(value, float) or not 0 < value < 1:
-        return
+@rule("warmup_steps_ratio", "warmup_ratio_removed")
+def warmup_key_for_the_installed_transformers(c: RuleContext) -> None:
+    """The warmup ratio's key depends on transformers: 5 reads a warmup_steps below 1 as a ratio and removed
+    warmup_ratio in 5.15; 4.x reads warmup_steps as a step count, so a ratio there means no warmup at all."""
     installed = installed_version("transformers")
+    ratio, steps = c.d.get("warmup_ratio"), c.d.get("warmup_steps")
+    if ratio is not None and installed is not None and version_matches(installed, ">=5.15"):
+        c.add(
+            "error",
+            "warmup_ratio_removed",
+            f"`warmup_ratio` is gone from transformers 5.15 (installed: {installed}), and LLaMA-Factory stops on "
+            f"the unknown key: write `warmup_steps: {ratio}` (a float below 1 is a ratio of the total steps)",
+            "warmup_ratio",
+        )
+    if not isinstance(steps, float) or not 0 < steps < 1:
+        return
     if installed is not None and version_matches(installed, ">=5"):
         return
     c.add(
         "warning" if installed is None else "error",
         "warmup_steps_ratio",
-        f"`warmup_steps: {value}` is a ratio of the total steps only on transformers >= 5"
+        f"`warmup_steps: {steps}` is a ratio of the total steps only on transformers >= 5"
         + (f"; the installed {installed} reads it as a step count and trains without warmup" if installed else "")
-        + f": on transformers 4 write `warmup_ratio: {value}`",
+        + f": on transformers 4 write `warmup_ratio: {steps}`",
         "warmup_steps",
     )
 
