@@ -320,11 +320,22 @@ def llamafactory_runtime_ranges() -> dict[str, str]:
     except OSError:
         return {}
     body = source.partition("def check_dependencies")[2].partition("\ndef ")[0]
-    return {name.lower(): spec for name, spec in LF_RUNTIME_CHECK.findall(body) if name.lower() in LF_RANGED}
+    return {name.lower(): versions for name, versions in LF_RUNTIME_CHECK.findall(body) if name.lower() in LF_RANGED}
+
+
+SOFTWARE_PAIR_KEYS = ("package", "versions", "llamafactory", "why", "fix")
 
 
 def software_pairs() -> list[dict]:
-    return yaml.safe_load((catalog_dir() / "software_pairs.yaml").read_text()) or []
+    """catalog/software_pairs.yaml, strictly: every entry has exactly SOFTWARE_PAIR_KEYS."""
+    path = catalog_dir() / "software_pairs.yaml"
+    pairs = yaml.safe_load(path.read_text()) or []
+    problems = []
+    for i, pair in enumerate(pairs):
+        problems += unknown_keys(pair, SOFTWARE_PAIR_KEYS, f"entry {i + 1}: ")
+        problems += [f"entry {i + 1}: `{key}` is missing" for key in SOFTWARE_PAIR_KEYS if key not in pair]
+    raise_problems(problems, str(path))
+    return pairs
 
 
 def stack_problems(

@@ -267,8 +267,8 @@ def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: floa
     if k < L:
         return {**items, f"activations ({L - k} layers not checkpointed)": per_token_layer * (L - k) * tokens,
                 "logits + loss": loss}  # fmt: skip
-    # the layer's backward holds four 16-bit gradients of width h: of its output, its input, the residual branch and
-    # their sum (the Qwen3 probe rows and Phi-3-mini's capped row, bench/README.md "Capped offload plans")
+    # the layer's backward holds 16-bit gradients of width h: of its output, its input, the residual branch and their
+    # sum; four is FITTED on one row (Phi-3-mini capped, bench/README.md "Activations by construction")
     held = 2.0 * V * h + 4 * 2.0 * tokens * h
     if per_token_layer * tokens + held > loss:
         return {**items, "activations (the layer being recomputed)": per_token_layer * tokens,

@@ -1,4 +1,5 @@
-"""The memory model's terms for ZeRO-1/2 optimizer offload (bench/README.md "Capped offload plans")."""
+"""The memory model: what one layer keeps by construction, and the terms of ZeRO-1/2 optimizer offload (bench/README.md
+"Activations by construction")."""
 
 import json
 import re

@@ -4,6 +4,7 @@ installed versions, known-bad stacks named by detect, a fork's own sk2decompile 
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -138,3 +139,14 @@ def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(d
     finally:
         lf_template.TEMPLATES.clear()
         lf_template.TEMPLATES.update(saved)
+
+
+def test_the_software_pairs_catalog_loads_strictly(tmp_path, monkeypatch):
+    import lf_adapter.hardware as hardware
+    from lf_adapter import UserError
+
+    assert all(pair["fix"].startswith("pip install") for pair in hardware.software_pairs())
+    (tmp_path / "software_pairs.yaml").write_text("- {pakage: trl, versions: '>=0.29', why: x, fix: y}\n")
+    monkeypatch.setattr(hardware, "catalog_dir", lambda: tmp_path)
+    with pytest.raises(UserError, match="pakage.*package|llamafactory` is missing"):
+        hardware.software_pairs()
