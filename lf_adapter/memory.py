@@ -140,16 +140,18 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
     if plan.offloads_parameters:
         offloaded += weights
         weights = 0.0
-    grads_name = (
-        "gradients (16-bit reduce buckets; partitions go to the host)"
-        if plan.shards_parameters and plan.offloads_optimizer
-        else "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")")
-    )
-    if stages_gradients_to_host(plan):
-        grads_name = "gradients (DeepSpeed's reduce bucket; partitions go to the host)"
-        grads = 2.0 * reduce_bucket_elements()
+    to_host = stages_gradients_to_host(plan)
+    if to_host:
+        grads_name, grads = (
+            "gradients (DeepSpeed's reduce bucket; partitions go to the host)",
+            2.0 * reduce_bucket_elements(),
+        )
+    elif plan.shards_parameters and plan.offloads_optimizer:
+        grads_name = "gradients (16-bit reduce buckets; partitions go to the host)"
+    else:
+        grads_name = "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")")
     states = {"weights (16-bit)": weights, grads_name: grads, "optimizer (fp32 master + Adam, partitioned)": optimizer}
-    if stages_gradients_to_host(plan):
+    if to_host:
         # stage_1_and_2.py: a 16-bit buffer of the largest weight's size stays on the GPU for the host copies, and each
         # gradient's norm is taken over an fp64 copy when it is reduced: the lm_head's (untied) or an MLP matrix's
         # while the activations are alive
@@ -158,7 +160,7 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
         states["gradient norm (fp64 copy of one weight's gradient)"] = 8.0 * top
     if plan.shards_parameters:
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
-    if n > 1 and not stages_gradients_to_host(plan):
+    if n > 1 and not to_host:
         states["deepspeed buckets"] = 2.0 * 2 * min(p, 5e8) / n
     return states, offloaded
 

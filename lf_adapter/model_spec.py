@@ -46,8 +46,8 @@ class ModelSpec:
         """Why torch's varlen flash attention (lfa's padding-free) would not compute this family's attention."""
         if self.attention_softcap:
             return (
-                f"{self.arch} soft-caps its attention scores (attn_logit_softcapping {self.attention_softcap:g}), "
-                "which the varlen flash kernel does not: padding-free would train a different attention"
+                f"{self._soft_caps}, which the varlen flash kernel does not: padding-free would train a different "
+                "attention"
             )
         if self.sliding_window and self.sliding_window < seq_len:
             return (
@@ -61,11 +61,14 @@ class ModelSpec:
         """Why torch's SDPA (and its varlen kernel) would not compute this family's attention."""
         if self.attention_softcap:
             return (
-                f"{self.arch} soft-caps its attention scores (attn_logit_softcapping {self.attention_softcap:g}), "
-                "which transformers computes only in eager attention and flash-attn 2: SDPA would train a "
-                "different attention"
+                f"{self._soft_caps}, which transformers computes only in eager attention and flash-attn 2: SDPA would "
+                "train a different attention"
             )
         return None
+
+    @property
+    def _soft_caps(self) -> str:
+        return f"{self.arch} soft-caps its attention scores (attn_logit_softcapping {self.attention_softcap:g})"
 
     @property
     def head_dim(self) -> int:

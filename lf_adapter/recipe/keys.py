@@ -25,8 +25,12 @@ def warmup_key(transformers_version: str) -> str:
     """The key that carries the warmup ratio: transformers 5 reads a float warmup_steps below 1 as a ratio of the
     total steps (warmup_ratio is deprecated there and gone from 5.15); 4.x reads warmup_steps as a step count, so
     it needs warmup_ratio."""
-    major = re.match(r"\d+", transformers_version)
-    return "warmup_steps" if major and int(major.group()) >= 5 else "warmup_ratio"
+    return "warmup_steps" if version_tuple(transformers_version) >= (5,) else "warmup_ratio"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A version's release numbers (major, minor, patch), for choosing which keys to write."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def deepspeed_file_name(plan: Plan) -> str | None:

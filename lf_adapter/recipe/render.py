@@ -25,6 +25,7 @@ from .keys import (
     export_line,
     launch_env,
     plan_keys,
+    version_tuple,
     warmup_key,
 )
 
@@ -181,7 +182,7 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         logging_steps=inputs.logging_steps,
         save_steps=inputs.save_steps,
         save_total_limit=3,
-        ray_keys="0.9.5" if _version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
+        ray_keys="0.9.5" if version_tuple(inputs.llamafactory_version) >= (0, 9, 5) else "0.9.4",
         ray_logical_cpus=ray_logical_cpus(inputs.hardware),
         warmup_key=warmup_key(inputs.transformers_version),
         transformers_version=inputs.transformers_version,
@@ -275,10 +276,6 @@ def ray_logical_cpus(hw) -> int:
     cluster (trainer_utils.get_placement_group) and waits forever when a node has fewer than 10 CPUs per GPU.
     Ray CPUs are logical, so declaring more than the cores only affects Ray's bookkeeping."""
     return max(hw.cpu_cores, 10 * hw.gpus_per_node)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def write_recipe_dir(files: dict[str, str], out_dir: Path, force: bool = False) -> list[Path]:
