@@ -40,7 +40,7 @@ if [ "$cmd" = offload ]; then  # offload.py builds the model shapes its runs nee
   (cd $OUT && tar czf offload_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = zoo ]; then  # model_zoo.py builds each zoo model, runs it, deletes it
-  timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|capped)|^model |Traceback|Error" | tee $OUT/zoo.txt
+  timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|h100|capped)|^model |Traceback|Error" | tee $OUT/zoo.txt
   (cd $OUT && tar czf zoo_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact token counts

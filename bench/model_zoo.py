@@ -1,5 +1,6 @@
 """Model zoo (device): random-weight models with the config.json shapes of public dense families, each trained on
-lfa's default plan for the whole H200 and for the capped 31.73 GiB card (fp16, the seed's card), a few steps each.
+lfa's default plan for the whole card (the H200, or the H100 when that is lent) and for the capped 31.73 GiB card
+(fp16, the seed's card, on the same GPU's compute), a few steps each.
 One row per (model, hardware): lfa's predicted peak reserved memory and tokens/s next to the measured ones, and
 whether the plan fit on its first try. Rows accumulate in OUT/model_zoo.json (a later call adds its rows).
 
@@ -7,7 +8,7 @@ The tokenizer and data are the other benches' (make_assets.py: a 16k BPE, 800 ps
 2048); every zoo vocabulary is larger than the tokenizer's, so the ids fit. Each model folder is deleted after its
 runs (the device disk is 64 GiB).
 
-usage: python bench/model_zoo.py ASSETS_DIR OUT_DIR [--only NAME,...] [--hardware h200,capped] [--steps 5]
+usage: python bench/model_zoo.py ASSETS_DIR OUT_DIR [--only NAME,...] [--hardware whole,capped] [--steps 5] [--profile]
        python bench/model_zoo.py --table bench/results/model_zoo.json --reprice  # here: the table, priced again
 """
 
@@ -115,8 +116,24 @@ ZOO: dict[str, dict] = {
         max_position_embeddings=16384,
     ),
 }
-# hardware label -> (lfa profile, generate arguments, capped allocator)
-HARDWARE = {"h200": ("h200", [], False), "capped": ("h200-capped-32g", ["--precision", "fp16"], True)}
+# hardware label -> (lfa profile by the GPU the bench runs on, generate arguments, capped allocator); "h200" is
+# the whole card's old label
+HARDWARE = {
+    "whole": ({"H100": "h100", "H200": "h200"}, [], False),
+    "capped": ({"H100": "h100-capped-32g", "H200": "h200-capped-32g"}, ["--precision", "fp16"], True),
+}
+HARDWARE["h200"] = HARDWARE["whole"]
+
+
+def gpu_kind() -> str:
+    """H100 or H200: the lent card's profiles (the capped profile keeps the card's compute, 31.73 GiB of memory)."""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    kind = next((k for k in ("H100", "H200") if k in name), None)
+    if kind is None:
+        raise SystemExit(f"model_zoo runs on an H100 or H200 (lfa has their profiles); this GPU is {name or 'none'}")
+    return kind
 
 
 def build_model(assets: Path, name: str, overrides: dict | None = None, suffix: str = "") -> Path:
@@ -154,18 +171,22 @@ def run_one(
     plan_args: tuple[str, ...] = (),
     dataset: Path | None = None,
     key: str = "",
+    kernel_profile: bool = False,
 ) -> dict:
     """lfa generate (the default plan, or the one plan_args pin) + lfa train on one zoo model; the row for
     model_zoo.json. Each run has its own lfa cache folder, so no run plans from another's measured peak."""
     from lf_adapter.model_spec import load_model_spec
 
-    profile, gen_args, capped = HARDWARE[hardware]
+    profiles, gen_args, capped = HARDWARE[hardware]
+    profile = profiles[gpu_kind()]
     key = key or f"{name.split('/')[-1]}-{hardware}"
     folder, run_dir = work / key, work / "runs" / key
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
     env["LFA_CACHE_DIR"] = str(work / "cache" / key)
     if capped:
         env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
+    if kernel_profile:  # the last step under the torch profiler, left out of the steady state
+        env.update(LFA_KERNEL_PROFILE="1", LFA_COMM_PROFILE_STEPS=f"{steps}-{steps}")
     row = {"model": name, "model_type": ZOO[name]["model_type"], "hardware": profile}
     row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
     gen_rc = lfa(
@@ -212,6 +233,9 @@ def run_one(
             steady_tokens_per_s=measured.get("steady_tokens_per_s"),
             mfu=measured.get("mfu"),
             oom=measured.get("oom"),
+            alloc_retries=measured.get("alloc_retries"),
+            micro_batches_per_step=measured.get("micro_batches_per_step"),
+            kernel_profile=measured.get("kernel_profile"),
             memory_items_gib=first.get("predicted", {}).get("memory_gib"),
         )
     for key_name, (p, m) in {"reserved_error": ("predicted_reserved_gib", "peak_reserved_gib"),
@@ -239,7 +263,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         if not r.get("peak_reserved_gib") or not r.get("plan"):
             continue
-        card = "capped" if "capped" in r["hardware"] else "H200"
+        gpu = "H100" if r["hardware"].startswith("h100") else "H200"
+        card = ("capped" if gpu == "H200" else "capped H100") if "capped" in r["hardware"] else gpu
         fit = " **fit**" if r.get("used_for_fit") else ""
         lines.append(
             f"| {r['model'].split('/')[-1]} ({r['model_type']}){fit} | {card} | {r['plan']} | "
@@ -290,8 +315,9 @@ def main() -> None:
     parser.add_argument("assets", type=Path, nargs="?")
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--only", default="", help="zoo names (or their last part), comma-separated")
-    parser.add_argument("--hardware", default="h200,capped")
+    parser.add_argument("--hardware", default="whole,capped", help="whole (the card lfa runs on), capped")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="kernel profile of each run's last step")
     parser.add_argument("--table", type=Path, help="print the table of a model_zoo.json and exit")
     parser.add_argument("--reprice", action="store_true", help="with --table: price each row with today's model")
     parser.add_argument("--markdown", action="store_true", help="with --table: bench/README.md's table")
@@ -324,7 +350,7 @@ def main() -> None:
         print(f"BENCH built {name} in {time.time() - started:.0f}s", flush=True)
         for hardware in args.hardware.split(","):
             started = time.time()
-            row = run_one(name, hardware, model_dir, work, args.out, args.steps)
+            row = run_one(name, hardware, model_dir, work, args.out, args.steps, kernel_profile=args.profile)
             rows.append(row)
             results.write_text(json.dumps(rows, indent=1))
             print(f"BENCH {name} {hardware} in {time.time() - started:.0f}s: {json.dumps(row)[:500]}", flush=True)
