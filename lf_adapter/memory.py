@@ -192,7 +192,21 @@ def micro_batch_tokens(plan: Plan, seq_len: int) -> int:
     return max(plan.token_budget, seq_len) if plan.token_budget else plan.micro_batch_size * seq_len
 
 
+def eager_scores(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """One layer's attention score elements (heads x queries x keys) in the largest micro-batch under eager
+    attention; 0 for the fused kernels, which never hold them."""
+    return model.num_heads * seq_len * micro_batch_tokens(plan, seq_len) if plan.attention == "eager" else 0.0
+
+
 def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
+    items = _kept_activations(model, plan, seq_len)
+    eager_backward = coefficients()["activation"]["eager_backward_bytes_per_score"] * eager_scores(model, plan, seq_len)
+    if eager_backward:
+        items["eager attention backward (one layer's fp32 score gradient)"] = eager_backward
+    return items
+
+
+def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
     c = coefficients()
     act = c["activation"]
     tokens = micro_batch_tokens(plan, seq_len)
@@ -323,9 +337,11 @@ def estimate(
     allocated = sum(items.values())
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
-        # expandable segments leave little fragmentation; what stays is about the fp32 logits tensor's size
+        # expandable segments leave little fragmentation; what stays is about the largest transient fp32 tensor's
+        # size: the logits (without liger) or one layer's eager attention scores
         logits_fp32 = 0.0 if plan.liger else 4.0 * micro_batch_tokens(plan, seq_len) * model.vocab_size / GIB
-        reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * logits_fp32
+        largest_fp32 = max(logits_fp32, 4.0 * eager_scores(model, plan, seq_len) / GIB)
+        reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * largest_fp32
         if stages_gradients_to_host(plan):
             reserved += c["offload_fragmentation_gib"]
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context

@@ -4,6 +4,8 @@
 import json
 import re
 
+import pytest
+
 from conftest import REPO
 from lf_adapter.memory import coefficients, estimate, reduce_bucket_elements, stages_gradients_to_host
 from lf_adapter.model_spec import load_model_spec
@@ -99,3 +101,29 @@ def test_saved_tensors_follow_the_architecture():
     tensors = saved_tensors_per_token(phi3, False, True)
     assert tensors["16-bit inputs of q/k/v"] == 2.0 * phi3.hidden_size  # fused qkv: one autocast copy, not three
     assert "the fused q/k/v output (v's storage)" in tensors
+
+
+def _gemma2_capped_plan(attention: str) -> Plan:
+    return _offload_plan(16, 4, padding_free=False, checkpoint_layers=24, attention=attention)
+
+
+def test_eager_attention_prices_one_layers_fp32_score_gradient_and_its_fragmentation():
+    spec = load_model_spec("google/gemma-2-2b")
+    eager, sdpa = (estimate(spec, _gemma2_capped_plan(a), 2048, 31.73) for a in ("eager", "sdpa"))
+    scores = spec.num_heads * 2048 * 16 * 2048  # one layer, the largest micro-batch: 16 rows of cutoff_len
+    backward = eager.items["eager attention backward (one layer's fp32 score gradient)"]
+    assert backward == 4.0 * scores / 2**30
+    assert not any(k.startswith("eager attention") for k in sdpa.items)
+    gap = coefficients()["allocator"]["expandable_logits_fraction"] * 4.0 * scores / 2**30
+    assert eager.reserved_gib - eager.allocated_gib == pytest.approx(sdpa.reserved_gib - sdpa.allocated_gib + gap)
+
+
+def test_the_measured_eager_rows_are_priced_within_the_target():
+    rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
+    eager = [r for r in rows if "/eager/" in (r.get("plan") or "") and r.get("peak_reserved_gib")]
+    assert len(eager) >= 2
+    for row in eager:
+        capped = "capped" in row["hardware"]
+        plan = Plan.from_label(row["plan"], alloc_conf="expandable_segments:True")
+        predicted = estimate(load_model_spec(row["model"]), plan, 2048, 31.73 if capped else None).reserved_gib
+        assert -0.05 <= row["peak_reserved_gib"] / predicted - 1 <= 0.03, (row["hardware"], row["plan"])
