@@ -257,8 +257,8 @@ def markdown_table(rows: list[dict]) -> str:
     """The measured rows as bench/README.md's table (--markdown)."""
     lines = [
         "| model (model_type) | card | plan | run | 1st try | pred GiB | peak GiB | err | now GiB | err now | "
-        "pred tok/s | tok/s | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "pred tok/s | tok/s | err | now tok/s | err now |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.get("peak_reserved_gib") or not r.get("plan"):
@@ -272,30 +272,46 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_cell(r, 'predicted_reserved_gib', '.2f')} | {_cell(r, 'peak_reserved_gib', '.2f')} | "
             f"{_cell(r, 'reserved_error', '%')} | {_cell(r, 'repriced_reserved_gib', '.2f')} | "
             f"{_cell(r, 'repriced_error', '%')} | {_cell(r, 'predicted_tokens_per_s', ',.0f')} | "
-            f"{_cell(r, 'steady_tokens_per_s', ',.0f')} | {_cell(r, 'speed_error', '%')} |"
+            f"{_cell(r, 'steady_tokens_per_s', ',.0f')} | {_cell(r, 'speed_error', '%')} | "
+            f"{_cell(r, 'repriced_tokens_per_s', ',.0f')} | {_cell(r, 'repriced_speed_error', '%')} |"
         )
     return "\n".join(lines)
 
 
+# every zoo model trains on the bench's 800 rows through the bench tokenizer: 1,180,098 tokens per epoch after
+# truncation at 2048 (lfa generate's data line, h100_session21 call 4), the mean row's share of cutoff_len
+BENCH_MEAN_SEQ_FRACTION = 1_180_098 / (800 * 2048)
+
+
 def reprice(rows: list[dict]) -> None:
-    """Each measured row's plan priced again by the memory model as it is now (repriced_reserved_gib): how a refit
-    does on rows it was not fitted on. The zoo shapes come from lfa's catalog (the same hub names)."""
+    """Each measured row's plan priced again by the memory and throughput models as they are now
+    (repriced_reserved_gib, repriced_tokens_per_s): how a refit does on rows it was not fitted on. The zoo shapes
+    come from lfa's catalog (the same hub names), the cards from its hardware profiles."""
+    from lf_adapter.hardware import load_profile
     from lf_adapter.memory import estimate
     from lf_adapter.model_spec import load_model_spec
     from lf_adapter.plan import Plan
+    from lf_adapter.throughput import predict_tokens_per_s
 
     for r in rows:
         if r.get("plan") and r.get("peak_reserved_gib") and r.get("lfa_train_rc") == 0 and r.get("attempts") == 1:
             plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
+            model = load_model_spec(r["model"])
             vram = CAP_GIB if "capped" in r["hardware"] else None
-            r["repriced_reserved_gib"] = round(estimate(load_model_spec(r["model"]), plan, 2048, vram).reserved_gib, 2)
+            r["repriced_reserved_gib"] = round(estimate(model, plan, 2048, vram).reserved_gib, 2)
             r["repriced_error"] = round(r["peak_reserved_gib"] / r["repriced_reserved_gib"] - 1.0, 4)
+            if r.get("steady_tokens_per_s"):
+                hardware = load_profile(r["hardware"])
+                fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
+                r["repriced_tokens_per_s"] = round(predict_tokens_per_s(model, plan, hardware, 2048, fraction))
+                r["repriced_speed_error"] = round(r["steady_tokens_per_s"] / r["repriced_tokens_per_s"] - 1.0, 4)
 
 
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'model':34s} {'hardware':16s} {'plan':52s} {'fit1':>5s} {'pred GiB':>8s} {'peak GiB':>8s} {'err':>7s} "
-        f"{'pred tok/s':>10s} {'tok/s':>8s} {'err':>7s} {'fit':>3s} {'now GiB':>8s} {'err':>7s}"
+        f"{'pred tok/s':>10s} {'tok/s':>8s} {'err':>7s} {'fit':>3s} {'now GiB':>8s} {'err':>7s} {'now tok/s':>9s} "
+        f"{'err':>7s}"
     )
     for r in rows:
         print(
@@ -304,7 +320,8 @@ def print_table(rows: list[dict]) -> None:
             f"{_cell(r, 'peak_reserved_gib', '.2f'):>8s} {_cell(r, 'reserved_error', '%'):>7s} "
             f"{_cell(r, 'predicted_tokens_per_s', ',.0f'):>10s} {_cell(r, 'steady_tokens_per_s', ',.0f'):>8s} "
             f"{_cell(r, 'speed_error', '%'):>7s} {'yes' if r.get('used_for_fit') else 'no':>3s} "
-            f"{_cell(r, 'repriced_reserved_gib', '.2f'):>8s} {_cell(r, 'repriced_error', '%'):>7s}"
+            f"{_cell(r, 'repriced_reserved_gib', '.2f'):>8s} {_cell(r, 'repriced_error', '%'):>7s} "
+            f"{_cell(r, 'repriced_tokens_per_s', ',.0f'):>9s} {_cell(r, 'repriced_speed_error', '%'):>7s}"
         )
         if r.get("note"):
             print(f"    note: {r['note'][:300]}")
@@ -318,6 +335,7 @@ def main() -> None:
     parser.add_argument("--hardware", default="whole,capped", help="whole (the card lfa runs on), capped")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="kernel profile of each run's last step")
+    parser.add_argument("--pin", action="append", default=[], help="FIELD=VALUE for lfa generate (repeatable)")
     parser.add_argument("--table", type=Path, help="print the table of a model_zoo.json and exit")
     parser.add_argument("--reprice", action="store_true", help="with --table: price each row with today's model")
     parser.add_argument("--markdown", action="store_true", help="with --table: bench/README.md's table")
@@ -350,7 +368,13 @@ def main() -> None:
         print(f"BENCH built {name} in {time.time() - started:.0f}s", flush=True)
         for hardware in args.hardware.split(","):
             started = time.time()
-            row = run_one(name, hardware, model_dir, work, args.out, args.steps, kernel_profile=args.profile)
+            pins = tuple(a for pin in args.pin for a in ("--pin", pin))
+            key = f"{name.split('/')[-1]}-{hardware}" + ("-pinned" if pins else "")
+            row = run_one(
+                name, hardware, model_dir, work, args.out, args.steps, pins, key=key, kernel_profile=args.profile
+            )
+            if pins:
+                row["pinned"] = args.pin
             rows.append(row)
             results.write_text(json.dumps(rows, indent=1))
             print(f"BENCH {name} {hardware} in {time.time() - started:.0f}s: {json.dumps(row)[:500]}", flush=True)

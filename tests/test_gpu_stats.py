@@ -87,15 +87,21 @@ def test_the_kernel_profile_sorts_gpu_time_by_what_the_kernels_do():
         kernel("_rms_norm_forward_kernel", 950, 960),
         kernel("liger_cross_entropy_kernel", 960, 990),
         kernel("void at::native::vectorized_elementwise_kernel<4, CastOp>", 990, 1000),
+        kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 1000, 1100),
         kernel("aten::mm", 0, 1000, device="DeviceType.CPU"),  # the CPU op that launched a GEMM: not GPU time
     ]
-    kinds, spans = kernel_breakdown(events)
+    kinds, spans, top = kernel_breakdown(events)
     assert kinds == {
-        "GEMMs": 700e-6,
+        "GEMMs": 800e-6,
         "attention": 100e-6,
         "optimizer": 50e-6,
         "norms, activations, RoPE (liger/Triton)": 10e-6,
         "loss (cross-entropy)": 30e-6,
         "copies, casts, other elementwise": 10e-6,
     }
-    assert abs(union_seconds(spans) - 900e-6) < 1e-12  # 800-900 µs: the GPU idled
+    assert abs(union_seconds(spans) - 1000e-6) < 1e-12  # 800-900 µs: the GPU idled
+    assert top[0] == ["sm90_xmma_gemm_bf16bf16_bf16f32", 0.0005, 2]  # two launches of one kernel, by name
+    assert [name for name, _, _ in top[1:3]] == [
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>",
+    ]

@@ -29,9 +29,14 @@ KERNEL_KINDS = (
 )
 
 
-def kernel_breakdown(events) -> tuple[dict[str, float], list[tuple[float, float]]]:
-    """GPU seconds of the profiler's CUDA kernels by KERNEL_KINDS, and every kernel's (start, end) in µs."""
+TOP_KERNELS = 12  # the kernels that took longest, by name, beside the kinds
+
+
+def kernel_breakdown(events) -> tuple[dict[str, float], list[tuple[float, float]], list[list]]:
+    """GPU seconds of the profiler's CUDA kernels by KERNEL_KINDS, every kernel's (start, end) in µs, and the
+    TOP_KERNELS names with the most GPU time as [name, seconds, launches]."""
     seconds: dict[str, float] = {}
+    by_name: dict[str, list] = {}
     spans = []
     for event in events:
         if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
@@ -40,7 +45,11 @@ def kernel_breakdown(events) -> tuple[dict[str, float], list[tuple[float, float]
         spans.append((start, end))
         kind = next(name for name, pattern in KERNEL_KINDS if pattern.search(event.name))
         seconds[kind] = seconds.get(kind, 0.0) + (end - start) / 1e6
-    return seconds, spans
+        totals = by_name.setdefault(event.name[:120], [0.0, 0])
+        totals[0] += (end - start) / 1e6
+        totals[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return seconds, spans, [[name, round(s, 4), n] for name, (s, n) in top]
 
 
 def window_steps(value: str | None) -> tuple[int, int] | None:
@@ -130,7 +139,7 @@ class CommProfileCallback(TrainerCallback):
         events = self.profiler.events()
         window = {"first_step": self.first, "last_step": state.global_step, "window_s": round(wall, 4)}
         if self.kernels:
-            kinds, kernel_spans = kernel_breakdown(events)
+            kinds, kernel_spans, top = kernel_breakdown(events)
             busy = union_seconds(kernel_spans)
             self.emit(
                 state,
@@ -139,6 +148,7 @@ class CommProfileCallback(TrainerCallback):
                 gpu_busy_s=round(busy, 4),
                 gpu_idle_s=round(max(0.0, wall - busy), 4),  # launch gaps, host work, syncs
                 kinds_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                top_kernels=top,
             )
         if args.world_size <= 1:
             return
