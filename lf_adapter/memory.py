@@ -211,11 +211,8 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
     act = c["activation"]
     tokens = micro_batch_tokens(plan, seq_len)
     h, L = model.hidden_size, model.num_layers
-    # DeepSpeed trains a 16-bit model: no autocast over fp32 weights, so the residual stream and norms are 16-bit too
-    # (FSDP2's mixed precision also computes with 16-bit parameters)
-    sixteen_bit_model = (
-        plan.deepspeed is not None or plan.sharding == Sharding.FSDP2 or plan.optimizer == Optimizer.BADAM
-    )
+    # a 16-bit model has no autocast over fp32 weights, so the residual stream and norms are 16-bit too
+    sixteen_bit_model = plan.sixteen_bit_model
     path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
     per_token_layer = act["saved_tensor_scale"][path] * sum(
         saved_tensors_per_token(model, sixteen_bit_model, plan.liger).values()
@@ -300,8 +297,15 @@ def _loss_bytes_16bit(model: ModelSpec, plan: Plan, tokens: int) -> float:
     h, V = model.hidden_size, model.vocab_size
     if not plan.liger:
         return coefficients()["logits"]["bytes_per_element"] * tokens * V
-    chunk = min(1 << max(0, math.ceil(tokens / math.ceil(V / h)) - 1).bit_length(), tokens)
-    return 2.0 * V * h + 2.0 * tokens * h + 2.0 * chunk * V
+    return 2.0 * V * h + 2.0 * tokens * h + 2.0 * liger_loss_chunk_rows(model, tokens) * V
+
+
+def liger_loss_chunk_rows(model: ModelSpec, tokens: float) -> int:
+    """Rows of one chunk of liger's fused linear cross-entropy over a micro-batch of `tokens` (0.8.5,
+    ops/fused_linear_cross_entropy.py): tokens / ceil(V / h), up to a power of two, at most the tokens."""
+    tokens = max(1, math.ceil(tokens))
+    per_chunk = math.ceil(tokens / math.ceil(model.vocab_size / model.hidden_size))
+    return min(1 << max(0, per_chunk - 1).bit_length(), tokens)
 
 
 def estimate(

@@ -86,6 +86,11 @@ class Plan:
         return self.sharding if self.sharding in DEEPSPEED_STAGES else None
 
     @property
+    def sixteen_bit_model(self) -> bool:
+        """The model's weights are 16-bit (DeepSpeed, FSDP2's mixed precision, BAdam), not fp32 under autocast."""
+        return self.deepspeed is not None or self.sharding == Sharding.FSDP2 or self.optimizer == Optimizer.BADAM
+
+    @property
     def deepspeed_stage(self) -> int | None:
         return DEEPSPEED_STAGES.get(self.sharding)
 

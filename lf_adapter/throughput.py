@@ -3,8 +3,10 @@ catalog/memory_model.yaml, fitted in bench/README.md), and what a prediction res
 
 from __future__ import annotations
 
+import math
+
 from .hardware import HardwareProfile
-from .memory import badam_block_params, coefficients
+from .memory import badam_block_params, coefficients, liger_loss_chunk_rows
 from .model_spec import ModelSpec
 from .plan import Plan
 from .strategy import Offload, Optimizer, Sharding
@@ -53,6 +55,8 @@ def predict_tokens_per_s(
         gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
     )
     gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
+    if plan.liger and plan.precision != "fp32":
+        gpu_s += fused_loss_walk_s(model, plan, rows * padded_len / micro_batches, rate, gpu.hbm_tbps)
     if not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
@@ -88,6 +92,21 @@ def predict_tokens_per_s(
     if plan.world_size > 1:
         step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
     return real_tokens * micro_batches * plan.world_size / step_s
+
+
+def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, hbm_tbps: float) -> float:
+    """Liger's fused linear cross-entropy runs the lm_head over a micro-batch in chunks of a few rows
+    (memory.liger_loss_chunk_rows: about h x tokens / V) and reads the whole lm_head weight in each chunk's GEMMs
+    (bytes per weight element per chunk in catalog/memory_model.yaml); below a few hundred rows those GEMMs are
+    memory-bound. The time spent beyond the FLOPs already priced (a large vocabulary under small micro-batches)."""
+    chunk_rows = liger_loss_chunk_rows(model, tokens)
+    chunks = math.ceil(max(1.0, tokens) / chunk_rows)
+    weight = model.vocab_size * model.hidden_size
+    per_element = coefficients()["throughput"]["fused_loss_bytes_per_weight_per_chunk"]
+    memory_s = (
+        per_element["sixteen_bit" if plan.sixteen_bit_model else "autocast"] * weight / (max(hbm_tbps, 0.5) * 1e12)
+    )
+    return chunks * max(0.0, memory_s - 6.0 * chunk_rows * weight / rate)
 
 
 def micro_batches_per_step(plan: Plan, padded_len: float) -> float:
