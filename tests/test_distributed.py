@@ -106,7 +106,7 @@ def test_fsdp2_route_through_accelerate_with_two_gloo_processes(demo_assets, tmp
     for rank in (0, 1):
         assert f"Process rank: {rank}, world size: 2" in log
     assert "plain DDP" in recipe.read_text()  # the recipe says what a CPU makes of it
-    from lf_adapter.run.supervisor import is_complete_checkpoint
+    from lf_adapter.run.checkpoints import is_complete_checkpoint
 
     assert is_complete_checkpoint(folder / "saves" / "pseudo2norm" / "checkpoint-3")
 

@@ -102,7 +102,7 @@ def test_line_reader_handles_carriage_returns_bad_bytes_and_huge_lines():
 
 
 def test_offload_without_optimizer_retries_on_lfas_config_without_touching_the_users(tmp_path):
-    from lf_adapter.run.supervisor import write_deepspeed_config
+    from lf_adapter.run.resolved import write_deepspeed_config
 
     failure = classify((FIXTURES / "deepspeed_offload_client_optimizer.log").read_text().splitlines(), 1)
     attempt = Attempt(Plan("bf16", 4, 16, sharding="zero2", offload="optimizer"), env={"FORCE_TORCHRUN": "1"})
@@ -120,7 +120,7 @@ def test_zero3_min_lr_retries_with_the_same_schedule_as_a_rate(tmp_path):
     import yaml
 
     from lf_adapter.recipe.read import load_recipe
-    from lf_adapter.run.supervisor import resolved_text
+    from lf_adapter.run.resolved import resolved_text
 
     failure = classify((FIXTURES / "zero3_min_lr_scheduler_h200.log").read_text().splitlines(), 1)
     context = Context(load_profile("h200"), learning_rate=3e-6, scheduler_kwargs={"min_lr": 3e-7})

@@ -124,7 +124,7 @@ def test_a_held_run_refuses_detach_and_an_edited_recipe_is_not_resumed_silently(
 
 
 def test_torn_checkpoints_are_set_aside_and_the_one_before_is_resumed(tmp_path):
-    from lf_adapter.run.supervisor import is_complete_checkpoint, newest_complete_checkpoint
+    from lf_adapter.run.checkpoints import is_complete_checkpoint, newest_complete_checkpoint
 
     for step in (4, 8):
         folder = tmp_path / f"checkpoint-{step}"

@@ -219,7 +219,7 @@ def test_a_model_far_below_the_checked_sizes_gets_no_speed_to_be_held_to(demo_as
     it): lfa ranks plans with the figure but says so, and the run is not held to it."""
     from lf_adapter.plan import Plan
     from lf_adapter.recipe.read import load_recipe
-    from lf_adapter.run.supervisor import attempt_prediction
+    from lf_adapter.run.preflight import attempt_prediction
 
     model, data = demo_assets
     result = run_lfa(

@@ -216,7 +216,9 @@ def test_hostile_flag_values_are_refused_or_written_exactly(tmp_path, stubs):
 
 def test_hostile_train_flags_are_refused_or_reach_the_trainer_exactly(cpu_recipe, tmp_path, monkeypatch):
     from lf_adapter import UserError
-    from lf_adapter.run.supervisor import LoopState, TrainRequest, preflight, prepare, prepare_launch
+    from lf_adapter.run.preflight import preflight, prepare
+    from lf_adapter.run.request import TrainRequest
+    from lf_adapter.run.supervisor import LoopState, prepare_launch
 
     recipe = cpu_recipe("max_steps=2")
     monkeypatch.chdir(tmp_path)
@@ -350,7 +352,7 @@ def _ledger_with(run_dir: Path, supervisor: dict | None, trainer: dict | None) -
 
 def test_a_reused_pid_is_reported_gone_and_never_signalled(tmp_path):
     from lf_adapter.run.control import run_status
-    from lf_adapter.run.supervisor import end_orphaned_trainer
+    from lf_adapter.run.locks import end_orphaned_trainer
 
     # an unrelated program now holds the pids the ledger recorded (its own session: a group of its own too)
     unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)

@@ -5,10 +5,13 @@ paths run through the real llamafactory-cli in test_faults.py."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from lf_adapter.run.supervisor import TrainRequest, attempt_loop, prepare, supervise
+from lf_adapter.run.preflight import prepare
+from lf_adapter.run.request import TrainRequest
+from lf_adapter.run.supervisor import attempt_loop, supervise
 
 OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -18,6 +21,7 @@ OOM = (
 # stands in for llamafactory-cli: fails with an OOM while the micro-batch is above 2, else "trains" and exits 0
 FAKE_TRAINER = f"""
 import sys
+from pathlib import Path
 mbs = [int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("per_device_train_batch_size=")]
 if mbs and mbs[-1] > 2:
     print({OOM!r}, flush=True)
@@ -101,3 +105,52 @@ def test_bad_input_is_refused_before_anything_starts(cpu_recipe, tmp_path):
             start_process=start_process,
         )
     assert calls == []
+
+
+def test_detached_start_command_line_reads_back_as_the_same_request():
+    """start_detached re-runs `lfa train` from TrainRequest.train_argv: every field the CLI takes goes through it."""
+    from dataclasses import fields
+
+    from lf_adapter.cli.runs import train
+    from lf_adapter.run.request import TRAIN_FLAGS
+
+    assert {f.name for f in fields(TrainRequest)} - {"recipe", "json_events"} == set(TRAIN_FLAGS)
+    request = TrainRequest(
+        recipe=Path("/r/train.yaml"),
+        run_dir=Path("/runs/x"),
+        name="x",
+        max_attempts=3,
+        allow_hparam_change=True,
+        json_events=True,
+        overrides=("learning_rate=1.0e-5", "run_name=two words"),
+        fresh=True,
+        resume_anyway=True,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=29501,
+        hardware="v100-32g",
+        stop_on_divergence=True,
+    )
+    argv = request.train_argv()
+    assert argv[1:5] == ["-m", "lf_adapter.cli", "train", "/r/train.yaml"]
+    params = train.make_context("train", argv[4:]).params
+    assert params["as_json"] is False  # a detached run writes its log, not JSON events
+    assert params == {
+        "recipe": "/r/train.yaml",
+        "run_dir": "/runs/x",
+        "name": "x",
+        "max_attempts": 3,
+        "allow_hparam_change": True,
+        "as_json": False,
+        "detach": False,
+        "sets": ("learning_rate=1.0e-5", "run_name=two words"),
+        "node_rank": 1,
+        "master_addr": "10.0.0.1",
+        "master_port": 29501,
+        "hardware": "v100-32g",
+        "resume_anyway": True,
+        "fresh": True,
+        "stop_on_divergence": True,
+    }
+    defaults = TrainRequest(recipe=Path("/r/train.yaml")).train_argv()
+    assert defaults[4:] == ["/r/train.yaml", "--max-attempts", "4"]

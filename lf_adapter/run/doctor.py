@@ -11,8 +11,9 @@ from .. import UserError
 from ..recipe.keys import LaunchEnv, export_line, launch_env, plan_keys
 from ..recipe.read import Recipe, load_recipe, plan_from_recipe, recipe_hardware, recipe_workdir
 from .monitor import Failure, LineReader, classify, failure_classes
+from .preflight import recovery_context, trained_model_spec
 from .remedies import Attempt, Remedy, next_remedy
-from .supervisor import key_changes, recovery_context, resolved_text, trained_model_spec, write_deepspeed_config
+from .resolved import key_changes, resolved_text, write_deepspeed_config
 
 
 @dataclass

@@ -1,0 +1,5 @@
+"""`python -m lf_adapter.cli`: the `lfa` command."""
+
+from . import main
+
+main()
