@@ -14,7 +14,8 @@ from lf_adapter.hardware import DiskSpec, load_profile, measure_disk, profile_fr
 from lf_adapter.memory import GIB, coefficients, disk_gib, estimate, host_memory, nvme_settings
 from lf_adapter.model_spec import load_model_spec
 from lf_adapter.plan import Plan
-from lf_adapter.planner import PlanOptions, candidate_plans, machine_options, plan, ruled_out_optimizers
+from lf_adapter.plan_reasons import machine_options, ruled_out_optimizers
+from lf_adapter.planner import PlanOptions, candidate_plans, plan
 from lf_adapter.throughput import predict_tokens_per_s
 
 SIX_7B = "LLM4Binary/llm4decompile-6.7b-v2"

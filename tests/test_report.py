@@ -142,7 +142,7 @@ def test_report_marks_attempts_failures_and_resume_points_and_embeds_every_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lf_adapter.run.report import _mark_attempts
+    from lf_adapter.run.figures import _mark_attempts
 
     fig, ax = plt.subplots()
     _mark_attempts(ax, report)

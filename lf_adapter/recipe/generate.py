@@ -14,7 +14,8 @@ from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profi
 from ..measured import planning_margin
 from ..model_spec import ModelSpec, load_model_spec
 from ..plan import LF_FLASH_ATTN, Plan
-from ..planner import NoPlanFits, PlanOptions, PlanResult, format_machine_options, machine_options, plan
+from ..plan_reasons import format_machine_options, machine_options
+from ..planner import NoPlanFits, PlanOptions, PlanResult, plan
 from ..quoting import comment_text
 from ..strategy import Offload, Optimizer, Sharding
 from ..tasks import TaskSpec, load_task

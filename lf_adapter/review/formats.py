@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..planner import duration_text
+from ..plan_reasons import duration_text
 from ..recipe.diff import format_diff
 from .findings import RecipeReview
 
