@@ -179,7 +179,7 @@ def run_one(
 
     profiles, gen_args, capped = HARDWARE[hardware]
     profile = profiles[gpu_kind()]
-    key = key or f"{name.split('/')[-1]}-{hardware}"
+    key = key or f"{name.split('/')[-1]}-{hardware}" + ("-pinned" if plan_args else "")
     folder, run_dir = work / key, work / "runs" / key
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
     env["LFA_CACHE_DIR"] = str(work / "cache" / key)
@@ -369,10 +369,7 @@ def main() -> None:
         for hardware in args.hardware.split(","):
             started = time.time()
             pins = tuple(a for pin in args.pin for a in ("--pin", pin))
-            key = f"{name.split('/')[-1]}-{hardware}" + ("-pinned" if pins else "")
-            row = run_one(
-                name, hardware, model_dir, work, args.out, args.steps, pins, key=key, kernel_profile=args.profile
-            )
+            row = run_one(name, hardware, model_dir, work, args.out, args.steps, pins, kernel_profile=args.profile)
             if pins:
                 row["pinned"] = args.pin
             rows.append(row)

@@ -21,11 +21,7 @@ def print_plan(gen_or_result, model, hardware) -> None:
     click.echo(f"plan: {c.plan.label()}  ({model.name}, {model.num_params / 1e9:.2f} B params, on {hardware.name})")
     for key, why in c.plan.reasons.items():
         click.echo(f"  {key}: {why}")
-    click.echo(memory_heading(hardware))
-    for item, gib in c.memory.items.items():
-        click.echo(f"  {gib:8.2f}  {item}")
-    limit = c.memory.limit_gib
-    click.echo(f"  {c.memory.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f})" if limit else ""))
+    print_memory(c.memory, hardware)
     print_host(c.host)
     if result.runners_up:
         click.echo("runners-up:")
@@ -43,10 +39,17 @@ def print_plan(gen_or_result, model, hardware) -> None:
             )
 
 
-def memory_heading(hardware) -> str:
+def print_memory(memory, hardware, verdict: bool = False) -> None:
+    """The predicted memory items and the peak against the limit (with verdict: whether it fits)."""
     if hardware.has_gpu:
-        return "memory per GPU (GiB, predicted):"
-    return "memory of each training process (GiB of host RAM, predicted; no GPU):"
+        click.echo("memory per GPU (GiB, predicted):")
+    else:
+        click.echo("memory of each training process (GiB of host RAM, predicted; no GPU):")
+    for item, gib in memory.items.items():
+        click.echo(f"  {gib:8.2f}  {item}")
+    limit = memory.limit_gib
+    fits = (": fits" if memory.fits else ": DOES NOT FIT") if verdict else ""
+    click.echo(f"  {memory.reserved_gib:8.2f}  reserved at peak" + (f" (limit {limit:.2f}){fits}" if limit else ""))
 
 
 def print_host(host) -> None:
@@ -326,14 +329,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
             )
             sys.exit(0 if mem.fits and host.fits else 1)
         click.echo(f"{r.path}: {p.label()} ({spec.name}, {spec.num_params / 1e9:.2f} B params, on {hw.name})")
-        click.echo(memory_heading(hw))
-        for item, gib in mem.items.items():
-            click.echo(f"  {gib:8.2f}  {item}")
-        limit = mem.limit_gib
-        click.echo(
-            f"  {mem.reserved_gib:8.2f}  reserved at peak"
-            + (f" (limit {limit:.2f}): " + ("fits" if mem.fits else "DOES NOT FIT") if limit else "")
-        )
+        print_memory(mem, hw, verdict=True)
         print_host(host)
         sys.exit(0 if mem.fits and host.fits else 1)
     if not task:
