@@ -350,7 +350,14 @@ def main() -> None:
             print_table(rows)
         return
     wanted = args.only.split(",") if args.only else [n.split("/")[-1] for n in ZOO]
-    names = [n for short in wanted for n in ZOO if short in (n, n.split("/")[-1])]  # in the order asked
+
+    def named(short: str, name: str) -> bool:
+        return short.lower() in (name.lower(), name.split("/")[-1].lower())
+
+    names = [n for short in wanted for n in ZOO if named(short, n)]  # in the order asked
+    unknown = [short for short in wanted if not any(named(short, n) for n in ZOO)]
+    if unknown:  # a typo must not run nothing silently (session 23's call lost a model to 'qwen2.5-coder-3b')
+        sys.exit(f"unknown zoo model(s): {', '.join(unknown)}; known: {', '.join(ZOO)}")
     work = args.assets / "zoo"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

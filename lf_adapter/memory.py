@@ -223,8 +223,11 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
         # soft-capping (Gemma-2) squashes the scores through tanh, which keeps its 16-bit output too
         per_score = act["eager_attention_bytes_per_score"] + (2.0 if model.attention_softcap else 0.0)
         per_token_layer += per_score * model.num_heads * seq_len
-    logits = c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
     if plan.optimizer == Optimizer.BADAM:
+        # BAdam's own fit (badam_frozen_layer_fraction) was made with the per-token logits term
+        logits = (
+            c["logits"]["liger_bytes_per_element" if plan.liger else "bytes_per_element"] * tokens * model.vocab_size
+        )
         graph_layers = badam_graph_layers(model, plan)
         frozen = act["badam_frozen_layer_fraction"]  # a frozen linear does not keep its input for the backward
         items = {
@@ -248,11 +251,12 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
     if plan.gradient_checkpointing:
         factor = act["accumulation_factor"] if plan.accumulates else 1.0
         k = plan.checkpointed_layers(L)
-        loss = (
-            tokens
-            * model.vocab_size
-            * (act["checkpoint_bytes_per_vocab"] * factor if plan.liger else c["logits"]["bytes_per_element"])
-        )
+        if plan.liger:
+            loss = _liger_loss_bytes(model, plan, tokens)
+            if plan.accumulates:
+                loss += act["checkpointed_accumulation_bytes_per_hidden"] * tokens * h
+        else:
+            loss = tokens * model.vocab_size * c["logits"]["bytes_per_element"]
         items = {
             (
                 "activations (checkpointed layer inputs)" if k == L else f"activations ({k} of {L} layers checkpointed)"
@@ -263,6 +267,11 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
             kept = f"{L - k} layer" + ("s" if L - k > 1 else "")
             items[f"activations ({kept} not checkpointed)"] = per_token_layer * (L - k) * tokens
         return items
+    logits = (
+        _liger_loss_bytes(model, plan, tokens)
+        if plan.liger
+        else c["logits"]["bytes_per_element"] * tokens * model.vocab_size
+    )
     return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
 
 
@@ -298,6 +307,25 @@ def _loss_bytes_16bit(model: ModelSpec, plan: Plan, tokens: int) -> float:
     if not plan.liger:
         return coefficients()["logits"]["bytes_per_element"] * tokens * V
     return 2.0 * V * h + 2.0 * tokens * h + 2.0 * liger_loss_chunk_rows(model, tokens) * V
+
+
+def _liger_loss_bytes(model: ModelSpec, plan: Plan, tokens: int) -> float:
+    """Liger's fused linear cross-entropy over fp32 weights (ops/fused_linear_cross_entropy.py, 0.8.5): the fp32
+    lm_head gradient it builds in the forward and holds until the backward, the fp32 gradient of its input, one chunk
+    of logits and, under autocast, each chunk's 16-bit cast of the weight's transposed view (a view is not in
+    autocast's cache). By construction; it does not grow with the vocabulary times the tokens (checked: Gemma-2-2B
+    on the H100 at 4,096 and 16,384 tokens per micro-batch, bench/README.md)."""
+    if plan.sixteen_bit_model:
+        return _loss_bytes_16bit(model, plan, tokens)
+    h, V = model.hidden_size, model.vocab_size
+    autocast = plan.precision != "fp32"
+    weight_cast = 2.0 * V * h if autocast else 0.0
+    return (
+        4.0 * V * h
+        + weight_cast
+        + 4.0 * tokens * h
+        + (2.0 if autocast else 4.0) * liger_loss_chunk_rows(model, tokens) * V
+    )
 
 
 def liger_loss_chunk_rows(model: ModelSpec, tokens: float) -> int:

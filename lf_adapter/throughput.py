@@ -54,9 +54,12 @@ def predict_tokens_per_s(
         rate * (model.hidden_size / t["fitted_hidden_size"]) ** t["width_rate_exponent"],
         gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
     )
-    gpu_s = flops / rate * (t["eager_attention_slowdown"] if plan.attention == "eager" else 1.0)
+    gpu_s = flops / rate
+    padded_tokens = rows * padded_len / micro_batches
+    if plan.attention == "eager":
+        gpu_s += eager_scores_s(model, plan, padded_tokens, padded_len, recomputed, gpu.hbm_tbps)
     if plan.liger and plan.precision != "fp32":
-        gpu_s += fused_loss_walk_s(model, plan, rows * padded_len / micro_batches, rate, gpu.hbm_tbps)
+        gpu_s += fused_loss_walk_s(model, plan, padded_tokens, rate, gpu.hbm_tbps)
     if not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
@@ -104,9 +107,29 @@ def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, 
     weight = model.vocab_size * model.hidden_size
     per_element = coefficients()["throughput"]["fused_loss_bytes_per_weight_per_chunk"]
     memory_s = (
-        per_element["sixteen_bit" if plan.sixteen_bit_model else "autocast"] * weight / (max(hbm_tbps, 0.5) * 1e12)
+        per_element["sixteen_bit" if plan.sixteen_bit_model else "autocast"] * weight / streaming_bytes_per_s(hbm_tbps)
     )
     return chunks * max(0.0, memory_s - 6.0 * chunk_rows * weight / rate)
+
+
+def eager_scores_s(
+    model: ModelSpec, plan: Plan, tokens: float, row_len: float, recomputed: float, hbm_tbps: float
+) -> float:
+    """Eager attention materializes each layer's scores (heads x queries x keys) and walks them with elementwise
+    kernels: scale, soft-capping, mask, fp32 softmax, the 16-bit cast, forward and backward (bytes per score in
+    catalog/memory_model.yaml, by construction from transformers' eager_attention_forward); the checkpointed layers
+    run the forward again. Memory-bound: the score bytes over the streaming rate."""
+    per_score = coefficients()["throughput"]["eager_bytes_per_score"]
+    forward, backward = per_score["sixteen_bit" if plan.sixteen_bit_model else "autocast"]
+    if model.attention_softcap:
+        forward, backward = forward + per_score["softcap"][0], backward + per_score["softcap"][1]
+    scores = model.num_layers * model.num_heads * tokens * row_len  # each row's length squared, summed
+    return scores * (forward * (1.0 + recomputed) + backward) / streaming_bytes_per_s(hbm_tbps)
+
+
+def streaming_bytes_per_s(hbm_tbps: float) -> float:
+    """What memory-bound kernels reach of the datasheet bandwidth (measured on the H100, catalog/memory_model.yaml)."""
+    return max(hbm_tbps, 0.5) * 1e12 * coefficients()["throughput"]["streaming_bandwidth_fraction"]
 
 
 def micro_batches_per_step(plan: Plan, padded_len: float) -> float:
