@@ -294,17 +294,22 @@ def reprice(rows: list[dict]) -> None:
     from lf_adapter.throughput import predict_tokens_per_s
 
     for r in rows:
-        if r.get("plan") and r.get("peak_reserved_gib") and r.get("lfa_train_rc") == 0 and r.get("attempts") == 1:
-            plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
-            model = load_model_spec(r["model"])
-            vram = CAP_GIB if "capped" in r["hardware"] else None
-            r["repriced_reserved_gib"] = round(estimate(model, plan, 2048, vram).reserved_gib, 2)
-            r["repriced_error"] = round(r["peak_reserved_gib"] / r["repriced_reserved_gib"] - 1.0, 4)
-            if r.get("steady_tokens_per_s"):
-                hardware = load_profile(r["hardware"])
-                fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
-                r["repriced_tokens_per_s"] = round(predict_tokens_per_s(model, plan, hardware, 2048, fraction))
-                r["repriced_speed_error"] = round(r["steady_tokens_per_s"] / r["repriced_tokens_per_s"] - 1.0, 4)
+        measured = r.get("peak_reserved_gib") and r.get("lfa_train_rc") == 0 and r.get("attempts") == 1
+        ran_out = r.get("first_failure") == "cuda_oom"  # the plan that ran out: would today's model still plan it?
+        if not r.get("plan") or not (measured or ran_out):
+            continue
+        plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
+        model, hardware = load_model_spec(r["model"]), load_profile(r["hardware"])
+        memory = estimate(model, plan, 2048, hardware.gpu.vram_gib)
+        r["repriced_reserved_gib"] = round(memory.reserved_gib, 2)
+        if ran_out:
+            r["repriced_fits"] = memory.fits
+            continue
+        r["repriced_error"] = round(r["peak_reserved_gib"] / r["repriced_reserved_gib"] - 1.0, 4)
+        if r.get("steady_tokens_per_s"):
+            fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
+            r["repriced_tokens_per_s"] = round(predict_tokens_per_s(model, plan, hardware, 2048, fraction))
+            r["repriced_speed_error"] = round(r["steady_tokens_per_s"] / r["repriced_tokens_per_s"] - 1.0, 4)
 
 
 def print_table(rows: list[dict]) -> None:

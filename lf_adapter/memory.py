@@ -32,6 +32,7 @@ class MemoryBreakdown:
     cpu_offload_gib: float = 0.0  # host memory that DeepSpeed offload needs
     budget_gib: float | None = None  # usable per-GPU memory (None on CPU)
     headroom: float = DEFAULT_HEADROOM
+    phase: str = ""  # the moment of the step the items are taken at (the predicted peak)
 
     @property
     def allocated_gib(self) -> float:
@@ -58,6 +59,7 @@ class MemoryBreakdown:
             "budget_gib": self.budget_gib,
             "limit_gib": None if self.limit_gib is None else round(self.limit_gib, 3),
             "fits": self.fits,
+            "phase": self.phase,
         }
 
 
@@ -83,6 +85,9 @@ def badam_graph_layers(model: ModelSpec, plan: Plan) -> int:
     return model.num_layers - 1 if plan.gradient_checkpointing else model.num_layers
 
 
+AUTOCAST_COPIES = "autocast 16-bit weight copies (kept with accumulation)"
+
+
 def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
     """Weights, gradients and optimizer states without DeepSpeed or FSDP, by optimizer."""
     p = model.num_params
@@ -103,7 +108,7 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
     else:
         states["optimizer (Adam m, v fp32)"] = 8.0 * p
     if plan.precision in ("bf16", "fp16") and plan.accumulates:
-        states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
+        states[AUTOCAST_COPIES] = 2.0 * p
     return states
 
 
@@ -198,20 +203,25 @@ def eager_scores(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     return model.num_heads * seq_len * micro_batch_tokens(plan, seq_len) if plan.attention == "eager" else 0.0
 
 
+def _eager_backward_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """While one layer's backward runs under eager attention: its fp32 score gradient (0 for the fused kernels)."""
+    return coefficients()["activation"]["eager_backward_bytes_per_score"] * eager_scores(model, plan, seq_len)
+
+
+EAGER_BACKWARD = "eager attention backward (one layer's fp32 score gradient)"
+
+
 def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
     items = _kept_activations(model, plan, seq_len)
-    eager_backward = coefficients()["activation"]["eager_backward_bytes_per_score"] * eager_scores(model, plan, seq_len)
+    eager_backward = _eager_backward_bytes(model, plan, seq_len)
     if eager_backward:
-        items["eager attention backward (one layer's fp32 score gradient)"] = eager_backward
+        items[EAGER_BACKWARD] = eager_backward
     return items
 
 
-def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
-    c = coefficients()
-    act = c["activation"]
-    tokens = micro_batch_tokens(plan, seq_len)
-    h, L = model.hidden_size, model.num_layers
-    # a 16-bit model has no autocast over fp32 weights, so the residual stream and norms are 16-bit too
+def _layer_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """What one decoder layer keeps per token for its backward (lf_adapter/saved_tensors.py), eager scores included."""
+    act = coefficients()["activation"]
     sixteen_bit_model = plan.sixteen_bit_model
     path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
     per_token_layer = act["saved_tensor_scale"][path] * sum(
@@ -223,6 +233,23 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
         # soft-capping (Gemma-2) squashes the scores through tanh, which keeps its 16-bit output too
         per_score = act["eager_attention_bytes_per_score"] + (2.0 if model.attention_softcap else 0.0)
         per_token_layer += per_score * model.num_heads * seq_len
+    return per_token_layer
+
+
+def _loss_bytes(model: ModelSpec, plan: Plan, tokens: int) -> float:
+    """The logits and loss path over fp32 weights: liger's fused loss by construction, else the fitted logits term."""
+    if plan.liger:
+        return _liger_loss_bytes(model, plan, tokens)
+    return coefficients()["logits"]["bytes_per_element"] * tokens * model.vocab_size
+
+
+def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]:
+    """Activations of the paths priced as one phase (checkpointing under autocast has its phases)."""
+    c = coefficients()
+    act = c["activation"]
+    tokens = micro_batch_tokens(plan, seq_len)
+    h, L = model.hidden_size, model.num_layers
+    per_token_layer = _layer_bytes_per_token(model, plan, seq_len)
     if plan.optimizer == Optimizer.BADAM:
         # BAdam's own fit (badam_frozen_layer_fraction) was made with the per-token logits term
         logits = (
@@ -246,33 +273,62 @@ def _kept_activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, f
                 f"{model.torch_dtype or 'of unknown dtype'})"
             ] = 2.0 * model.params_per_layer * graph_layers
         return items
-    if sixteen_bit_model:
+    if plan.sixteen_bit_model:
         return _sixteen_bit_activations(model, plan, per_token_layer, tokens)
-    if plan.gradient_checkpointing:
-        factor = act["accumulation_factor"] if plan.accumulates else 1.0
-        k = plan.checkpointed_layers(L)
-        if plan.liger:
-            loss = _liger_loss_bytes(model, plan, tokens)
-            if plan.accumulates:
-                loss += act["checkpointed_accumulation_bytes_per_hidden"] * tokens * h
-        else:
-            loss = tokens * model.vocab_size * c["logits"]["bytes_per_element"]
-        items = {
-            (
-                "activations (checkpointed layer inputs)" if k == L else f"activations ({k} of {L} layers checkpointed)"
-            ): (factor * tokens * act["checkpoint_bytes_per_hidden"] * k * h),
-            "logits + loss": loss,
-        }
-        if k < L:  # the other layers keep their whole forward graph (interpolated between the measured ends)
-            kept = f"{L - k} layer" + ("s" if L - k > 1 else "")
-            items[f"activations ({kept} not checkpointed)"] = per_token_layer * (L - k) * tokens
-        return items
-    logits = (
-        _liger_loss_bytes(model, plan, tokens)
-        if plan.liger
-        else c["logits"]["bytes_per_element"] * tokens * model.vocab_size
+    return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": _loss_bytes(model, plan, tokens)}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A moment of the step whose live tensors may be the peak: the model states alive then and the activations."""
+
+    name: str
+    states: dict[str, float]
+    activations: dict[str, float]
+
+
+def _phase_bytes(phase: Phase, activation_scale: float = 1.0) -> float:
+    return sum(phase.states.values()) + activation_scale * sum(phase.activations.values())
+
+
+def _peak_phase(model: ModelSpec, plan: Plan, seq_len: int, states: dict[str, float], scale: float = 1.0) -> Phase:
+    if plan.gradient_checkpointing and not plan.sixteen_bit_model:
+        phases = _autocast_recompute_phases(model, plan, seq_len, states)
+        return max(phases, key=lambda phase: _phase_bytes(phase, scale))
+    return Phase("forward and backward", states, _activations(model, plan, seq_len))
+
+
+def _autocast_recompute_phases(model: ModelSpec, plan: Plan, seq_len: int, states: dict[str, float]) -> list[Phase]:
+    """Checkpointing over fp32 weights under autocast, by construction (bench/README.md "Recompute by phase"). Each
+    checkpointed layer keeps its fp32 input (the residual stream); autocast's cache holds a 16-bit copy of every
+    weight until the forward ends; the backward recomputes one layer at a time while the fp32 gradient of the
+    residual stream flows down. Without accumulation the gradients do not exist before the backward builds them,
+    layer by layer, as the inputs are freed: the peak is the end of the forward, the first recompute or the last."""
+    tokens = micro_batch_tokens(plan, seq_len)
+    h, L, k = model.hidden_size, model.num_layers, plan.checkpointed_layers(model.num_layers)
+    layer = _layer_bytes_per_token(model, plan, seq_len) * tokens
+    residual = 4.0 * tokens * h
+    kept = {f"activations ({L - k} layers not checkpointed)": layer * (L - k)} if k < L else {}
+    loss = _loss_bytes(model, plan, tokens)
+    forward = {"activations (checkpointed layer inputs, fp32)": residual * k, **kept, "logits + loss": loss}
+    recompute = {"the layer being recomputed": layer, EAGER_BACKWARD: _eager_backward_bytes(model, plan, seq_len)}
+    persistent = {name: v for name, v in states.items() if name != AUTOCAST_COPIES}
+    before_gradients = (
+        persistent if plan.accumulates else {n: v for n, v in persistent.items() if not n.startswith("gradients")}
     )
-    return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": logits}
+    autocast = plan.precision in ("bf16", "fp16")
+    cache = {"autocast's 16-bit weight cache (until the forward ends)": 2.0 * model.num_params if autocast else 0.0}
+    first = {**forward, **(recompute if k == L else {}), "gradient of the residual stream (fp32)": residual}
+    last = {
+        "the bottom layer's input (fp32)": residual,
+        **recompute,
+        "gradients of the residual stream (fp32)": 2 * residual,
+    }
+    return [
+        Phase("end of the forward", {**before_gradients, **cache}, forward),
+        Phase("first recompute", before_gradients, first),
+        Phase("last recompute", persistent, last),
+    ]
 
 
 def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: float, tokens: int) -> dict[str, float]:
@@ -348,7 +404,6 @@ def estimate(
     corrects the activation and logits terms (the least certain ones) after an OOM showed them larger."""
     c = coefficients()["allocator"]
     states, offloaded = _model_states(model, plan)
-    activations = {k: v * activation_scale for k, v in _activations(model, plan, seq_len).items()}
     # the peak can fall outside the forward/backward: the optimizer step holds every model state at once (without
     # DeepSpeed), or ZeRO-1/2 offload reduces the embedding's gradient at the end of the backward
     floors = {
@@ -362,10 +417,14 @@ def estimate(
         # without accumulation the gradients are freed (set to None) before each forward and are built while
         # the activations are released: about half of them coexist with all activations
         states["gradients (fp32)"] *= 0.5
-    items = {k: v / GIB for k, v in {**states, **activations}.items() if v > 0}
+    phase = _peak_phase(model, plan, seq_len, states, activation_scale)
+    activations = {k: v * activation_scale for k, v in phase.activations.items()}
+    items = {k: v / GIB for k, v in {**phase.states, **activations}.items() if v > 0}
     items["allocator/CUDA workspace"] = coefficients()["allocator"]["allocated_overhead_gib"]
+    phase_name = phase.name
     if floor / GIB > sum(items.values()):
         items[f"peak phase: {floor_name}"] = floor / GIB - sum(items.values())
+        phase_name = floor_name
     allocated = sum(items.values())
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
@@ -378,7 +437,12 @@ def estimate(
             reserved += c["offload_fragmentation_gib"]
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(
-        items=items, reserved_gib=reserved, cpu_offload_gib=offloaded / GIB, budget_gib=budget, headroom=headroom
+        items=items,
+        reserved_gib=reserved,
+        cpu_offload_gib=offloaded / GIB,
+        budget_gib=budget,
+        headroom=headroom,
+        phase=phase_name,
     )
 
 
@@ -516,7 +580,8 @@ def fit_activation_scale(model: ModelSpec, plan: Plan, seq_len: int, needed_allo
     """The activation_scale at which `plan` is predicted to allocate at least needed_allocated_gib (what an OOM
     showed it needed); 1.0 when the model already predicts that much. Never below 1: an OOM is a lower bound."""
     predicted = estimate(model, plan, seq_len, None)
-    activations = sum(_activations(model, plan, seq_len).values()) / GIB
+    states, _ = _model_states(model, plan)
+    activations = sum(_peak_phase(model, plan, seq_len, states).activations.values()) / GIB
     if predicted.allocated_gib >= needed_allocated_gib or activations <= 0:
         return 1.0
     return 1.0 + (needed_allocated_gib - predicted.allocated_gib) / activations

@@ -13,6 +13,8 @@ export LFA_DROP_PADDING_MASK=1
 export LFA_PADDING_FREE=1
 # lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens (same rows per step)
 export LFA_TOKEN_BUDGET=16384
+# lfa plugin: only the first layers recompute their forward; the rest keep their activations
+export LFA_CHECKPOINT_LAYERS=23
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
 export LFA_SORTED_STEPS=1
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
