@@ -279,21 +279,8 @@ def padding_free_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions
     return "off: padded plans were faster or the only ones that fit"
 
 
-def explain(
-    c: Candidate,
-    model: ModelSpec,
-    hardware: HardwareProfile,
-    options: PlanOptions,
-    fitting: list[Candidate],
-    seq_len: int = 2048,
-) -> Plan:
-    p = c.plan
-    natural, precision_reason = pick_precision(hardware)
-    if p.precision != natural:
-        precision_reason = (
-            f"{p.precision}: pinned (--precision or --pin); on its own lfa would pick {natural}: {precision_reason}"
-        )
-    mem = c.memory
+def _batch_reason(c: Candidate, hardware: HardwareProfile, options: PlanOptions) -> str:
+    p, mem = c.plan, c.memory
     limit = (
         "no GPU memory limit (CPU)"
         if mem.limit_gib is None
@@ -302,109 +289,151 @@ def explain(
             f"{options.headroom:.0%} headroom)"
         )
     )
+    return (
+        f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
+        f"{p.grad_accum} accumulation x {p.world_size} {'GPU(s)' if hardware.has_gpu else 'process(es)'}; "
+        f"predicted peak {limit}" + (f"; peak phase: {mem.phase}" if mem.phase else "")
+    )
+
+
+def _liger_reason(p: Plan, hardware: HardwareProfile, options: PlanOptions) -> str:
+    if p.liger:
+        return (
+            "on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
+            "save activation memory"
+        )
+    if not hardware.has_gpu or not options.liger_available or not hardware.gpu.runs_triton:
+        return "off: needs a CUDA GPU with Triton (sm80+)"
+    return "off: not needed for the fastest fitting plan"
+
+
+def _sharding_reason(c: Candidate, hardware: HardwareProfile) -> str:
+    p = c.plan
+    if p.deepspeed:
+        nvme = (
+            f"; fp32 master weights, Adam moments and fp32 gradients ({c.disk_gib:.0f} GiB) are swapped "
+            f"to {hardware.disk.path} and stream through host buffers every optimizer step (ZeRO-Infinity)"
+            if p.offloads_to_nvme and hardware.disk
+            else ""
+        )
+        return (
+            f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
+            "through torchrun (FORCE_TORCHRUN=1)" + nvme
+        )
+    if p.sharding == Sharding.FSDP2:
+        return (
+            f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
+            f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
+            "speed priced as ZeRO-3 (not measured)"
+            + ("; NOTE on a CPU accelerate runs this as plain DDP: it shards on GPUs only" if p.on_cpu else "")
+        )
+    if p.on_cpu:
+        return "none: no GPU (DeepSpeed needs one)"
+    if p.world_size == 1:
+        return "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
+    return "none: DDP, every GPU holds the model state"
+
+
+def _token_budget_reason(p: Plan) -> str:
+    if not p.token_budget:
+        return "off"
+    return (
+        f"each optimizer step's {p.micro_batch_size * p.grad_accum} rows per GPU are cut, longest first, into "
+        f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many), as many as "
+        "the step's tokens need; the loss is normalized by the step's token count, so the gradient is the padded "
+        f"step's. Without lfa's plugin LLaMA-Factory runs the fixed {p.micro_batch_size} x {p.grad_accum} above, "
+        "which needs no more memory"
+    )
+
+
+def _recompute_reason(p: Plan, model: ModelSpec, options: PlanOptions) -> str:
+    if not p.checkpoint_layers:
+        return "every layer" if p.gradient_checkpointing else "none"
+    L = model.num_layers
+    kept = (
+        f"layer {L} keeps its activations"
+        if p.checkpoint_layers + 1 == L
+        else f"layers {p.checkpoint_layers + 1}-{L} keep their activations"
+    )
+    why = " (pinned)" if "checkpoint_layers" in options.fixed else ": the fewest checkpointed layers this memory allows"
+    return (
+        f"the first {p.checkpoint_layers} of {L} decoder layers are checkpointed (their forward runs again in the "
+        f"backward), {kept}{why}; without lfa's plugin every layer is checkpointed"
+    )
+
+
+def _sorted_steps_reason(p: Plan) -> str:
+    if p.sorted_steps:
+        return (
+            "on: each optimizer step trains on the same random rows, but its micro-batches are cut from "
+            "those rows sorted by length, so less compute goes to padding (lfa plugin, "
+            "LFA_SORTED_STEPS=1; the loss is normalized by the step's token count, so the gradient is "
+            "the same sum)"
+        )
+    if p.packing:
+        return "off: packed rows have no padding"
+    if p.micro_batch_size == 1:
+        return "off: one row per micro-batch has no padding"
+    return "off: disabled with --no-sorted-steps"
+
+
+def _throughput_reason(c: Candidate, model: ModelSpec, fitting: list[Candidate]) -> str:
+    p = c.plan
+    caveat = ""
+    if p.on_cpu:
+        caveat = " (a rough CPU FLOP rate, not measured)"
+    elif not within_checked_sizes(model):
+        caveat = (
+            f" (only to rank plans: {model.num_params / 1e6:,.1f} M parameters is far below the sizes the speed "
+            "model was checked on, 350M-6.7B; such a step is bound by kernel launches)"
+        )
+    return f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s{caveat}; {len(fitting)} plans fit"
+
+
+ATTENTION_REASONS = {
+    "sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
+    "fa2": "fa2: flash-attn is installed",
+    "auto": "auto",
+}
+
+
+def explain(
+    c: Candidate,
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    options: PlanOptions,
+    fitting: list[Candidate],
+    seq_len: int = 2048,
+) -> Plan:
+    """The plan with a reason per field, as the recipe's comments and `lfa generate` print them."""
+    p = c.plan
+    natural, precision_reason = pick_precision(hardware)
+    if p.precision != natural:
+        precision_reason = (
+            f"{p.precision}: pinned (--precision or --pin); on its own lfa would pick {natural}: {precision_reason}"
+        )
+    eager = f"eager: {model.sdpa_problem}" if model.sdpa_problem else "eager: fits and is as fast here"
     reasons = {
         "precision": precision_reason,
-        "batch": (
-            f"effective batch kept at {p.effective_batch_size} = {p.micro_batch_size} micro-batch x "
-            f"{p.grad_accum} accumulation x {p.world_size} {'GPU(s)' if hardware.has_gpu else 'process(es)'}; "
-            f"predicted peak {limit}"
-        ),
+        "batch": _batch_reason(c, hardware, options),
         "gradient_checkpointing": (
             "on: without it the activations of this micro-batch do not fit, or a larger micro-batch with it is faster"
             if p.gradient_checkpointing
             else "off: the activations fit, which saves the ~33% recompute"
         ),
-        "liger": (
-            "on: fused linear cross-entropy never materializes the fp32 logits, fused RMSNorm/SwiGLU/RoPE "
-            "save activation memory"
-            if p.liger
-            else (
-                "off: needs a CUDA GPU with Triton (sm80+)"
-                if not hardware.has_gpu or not options.liger_available or not hardware.gpu.runs_triton
-                else "off: not needed for the fastest fitting plan"
-            )
-        ),
-        "attention": {
-            "sdpa": "sdpa: PyTorch's fused attention, no score matrix in memory, no extra package",
-            "fa2": "fa2: flash-attn is installed",
-            "eager": f"eager: {model.sdpa_problem}" if model.sdpa_problem else "eager: fits and is as fast here",
-            "auto": "auto",
-        }[p.attention],
-        "deepspeed": (
-            f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
-            "through torchrun (FORCE_TORCHRUN=1)"
-            + (
-                f"; fp32 master weights, Adam moments and fp32 gradients ({c.disk_gib:.0f} GiB) are swapped "
-                f"to {hardware.disk.path} and stream through host buffers every optimizer step "
-                "(ZeRO-Infinity)"
-                if p.offloads_to_nvme and hardware.disk
-                else ""
-            )
-            if p.deepspeed
-            else f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
-            f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "
-            "speed priced as ZeRO-3 (not measured)"
-            + ("; NOTE on a CPU accelerate runs this as plain DDP: it shards on GPUs only" if p.on_cpu else "")
-            if p.sharding == Sharding.FSDP2
-            else (
-                "none: no GPU (DeepSpeed needs one)"
-                if p.on_cpu
-                else "none: one GPU holds the whole model state, DeepSpeed would add launch and copy overhead"
-                if p.world_size == 1
-                else "none: DDP, every GPU holds the model state"
-            )
-        ),
+        "liger": _liger_reason(p, hardware, options),
+        "attention": {**ATTENTION_REASONS, "eager": eager}[p.attention],
+        "deepspeed": _sharding_reason(c, hardware),
         "padding_free": padding_free_reason(p, hardware, options, model.padding_free_problem(seq_len)),
-        "token_budget": (
-            f"each optimizer step's {p.micro_batch_size * p.grad_accum} rows per GPU are cut, longest first, into "
-            f"micro-batches of at most {p.token_budget:,} tokens (memory is planned for that many), as many as "
-            "the step's "
-            "tokens need; the loss is normalized by the step's token count, so the gradient is the padded step's. "
-            f"Without lfa's plugin LLaMA-Factory runs the fixed {p.micro_batch_size} x {p.grad_accum} above, "
-            "which needs no more memory"
-            if p.token_budget
-            else "off"
-        ),
-        "recompute": (
-            f"the first {p.checkpoint_layers} of {model.num_layers} decoder layers are checkpointed (their "
-            "forward runs again in the backward), "
-            + (
-                f"layer {model.num_layers} keeps its activations"
-                if p.checkpoint_layers + 1 == model.num_layers
-                else f"layers {p.checkpoint_layers + 1}-{model.num_layers} keep their activations"
-            )
-            + (
-                " (pinned)"
-                if "checkpoint_layers" in options.fixed
-                else ": the fewest checkpointed layers this memory allows"
-            )
-            + "; without lfa's plugin every layer is checkpointed"
-            if p.checkpoint_layers
-            else "every layer"
-            if p.gradient_checkpointing
-            else "none"
-        ),
+        "token_budget": _token_budget_reason(p),
+        "recompute": _recompute_reason(p, model, options),
         "packing": (
             "on: allowed by --allow-packing; rows are concatenated to cutoff_len so no compute goes to "
             "padding (changes what a batch is: rows per step grow)"
             if p.packing
             else "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"
         ),
-        "sorted_steps": (
-            "on: each optimizer step trains on the same random rows, but its micro-batches are cut from "
-            "those rows sorted by length, so less compute goes to padding (lfa plugin, "
-            "LFA_SORTED_STEPS=1; the loss is normalized by the step's token count, so the gradient is "
-            "the same sum)"
-            if p.sorted_steps
-            else "off: "
-            + (
-                "packed rows have no padding"
-                if p.packing
-                else "one row per micro-batch has no padding"
-                if p.micro_batch_size == 1
-                else "disabled with --no-sorted-steps"
-            )
-        ),
+        "sorted_steps": _sorted_steps_reason(p),
         "allocator": (
             f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "
             "expandable segments let the caching allocator reuse memory instead of fragmenting it and "
@@ -413,14 +442,6 @@ def explain(
             else "default caching allocator"
         ),
         "optimizer": OPTIMIZER_REASONS[p.optimizer],
-        "throughput": f"predicted {c.tokens_per_s:,.0f} non-pad tokens/s"
-        + (" (a rough CPU FLOP rate, not measured)" if p.on_cpu else "")
-        + (
-            f" (only to rank plans: {model.num_params / 1e6:,.1f} M parameters is far below the sizes the speed "
-            "model was checked on, 350M-6.7B; such a step is bound by kernel launches)"
-            if not p.on_cpu and not within_checked_sizes(model)
-            else ""
-        )
-        + f"; {len(fitting)} plans fit",
+        "throughput": _throughput_reason(c, model, fitting),
     }
     return p.replace(reasons=reasons)
