@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import UserError
 from ..strategy import Offload
-from .keys import OPTIMIZER_KEYS, optimizer_from_keys, precision_from_keys
+from .keys import OPTIMIZER_KEYS, PLUGIN_SETTINGS, optimizer_from_keys, precision_from_keys
 from .read import Recipe, deepspeed_setup
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
@@ -56,10 +56,7 @@ SPEED_KEYS = [
     "disable_gradient_checkpointing",
     "enable_liger_kernel",
     "flash_attn",
-    "lfa_sorted_steps",
-    "lfa_padding_free",
-    "lfa_token_budget",
-    "lfa_checkpoint_layers",
+    *(setting.diff_key for setting in PLUGIN_SETTINGS),
     "lfa_alloc_conf",
     "preprocessing_num_workers",
     "dataloader_num_workers",
@@ -103,10 +100,7 @@ def semantic_view(recipe: Recipe) -> dict:
         except UserError:
             data["deepspeed_config"] = "unreadable"
     if recipe.meta:
-        data["lfa_sorted_steps"] = bool(recipe.meta.get("sorted_steps", False))
-        data["lfa_padding_free"] = bool(recipe.meta.get("padding_free", False))
-        data["lfa_token_budget"] = int(recipe.meta.get("token_budget") or 0)
-        data["lfa_checkpoint_layers"] = recipe.meta.get("checkpoint_layers")
+        data.update({setting.diff_key: setting.read(recipe.meta) for setting in PLUGIN_SETTINGS})
         data["lfa_alloc_conf"] = recipe.meta.get("alloc_conf")
     return data
 

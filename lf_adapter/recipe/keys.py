@@ -115,10 +115,8 @@ def plan_from_keys(
         sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE),
         offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
-        padding_free=bool(meta.get("padding_free", False)),
-        sorted_steps=bool(meta.get("sorted_steps", False)),
-        token_budget=int(meta.get("token_budget") or 0),
-        checkpoint_layers=_checkpoint_layers(meta, data),
+        **{setting.field: setting.read(meta) for setting in PLUGIN_SETTINGS}
+        | {"checkpoint_layers": _checkpoint_layers(meta, data)},
         alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
         optimizer=optimizer_from_keys(data),
@@ -129,6 +127,66 @@ ACCELERATE_FSDP2_FILE = "accelerate_fsdp2.yaml"  # beside the recipe; FSDP2 plan
 
 # NVLink multicast can wedge shared hosts; NCCL, PyTorch and NVSHMEM each need it off explicitly.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class PluginSetting:
+    """A plan field lfa's plugin applies inside LLaMA-Factory, not a LLaMA-Factory key: written to the recipe's lfa-meta
+    header under the field's name, read back from it, exported to the plugin as `variable`, compared by `lfa diff`
+    as lfa_<field>. The one place each of these is named."""
+
+    field: str
+    variable: str
+    why: str  # launch.sh's comment
+    default: bool | int | None = False  # the plan's value when the header does not carry the field
+    always_in_header: bool = False
+
+    @property
+    def diff_key(self) -> str:
+        return f"lfa_{self.field}"
+
+    def header_value(self, plan: Plan) -> bool | int | None:
+        value = getattr(plan, self.field)
+        return value if value or self.always_in_header else None
+
+    def env_value(self, plan: Plan) -> str | None:
+        value = getattr(plan, self.field)
+        return None if not value else "1" if value is True else str(value)
+
+    def read(self, meta: dict) -> bool | int | None:
+        value = meta.get(self.field)
+        if not value:
+            return self.default
+        return bool(value) if isinstance(self.default, bool) else int(value)
+
+
+PLUGIN_SETTINGS = (
+    PluginSetting(
+        "padding_free",
+        contract.PADDING_FREE,
+        "lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on "
+        "padding, exact)",
+    ),
+    PluginSetting(
+        "token_budget",
+        contract.TOKEN_BUDGET,
+        "lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens "
+        "(same rows per step)",
+        default=0,
+    ),
+    PluginSetting(
+        "checkpoint_layers",
+        contract.CHECKPOINT_LAYERS,
+        "lfa plugin: only the first layers recompute their forward; the rest keep their activations",
+        default=None,
+    ),
+    PluginSetting(
+        "sorted_steps",
+        contract.SORTED_STEPS,
+        "lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)",
+        always_in_header=True,
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -209,41 +267,10 @@ def launch_env(
             "(exact under causal attention; SDPA keeps its flash kernel)",
         )
     )
-    if plan.padding_free:
-        env.append(
-            LaunchEnv(
-                contract.PADDING_FREE,
-                "1",
-                "lfa plugin: each micro-batch's rows flattened into one sequence, "
-                "attention kept per row (no compute on padding, exact)",
-            )
-        )
-    if plan.token_budget:
-        env.append(
-            LaunchEnv(
-                contract.TOKEN_BUDGET,
-                str(plan.token_budget),
-                "lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens "
-                "(same rows per step)",
-            )
-        )
-    if plan.checkpoint_layers:
-        env.append(
-            LaunchEnv(
-                contract.CHECKPOINT_LAYERS,
-                str(plan.checkpoint_layers),
-                "lfa plugin: only the first layers recompute their forward; the rest keep their activations",
-            )
-        )
-    if plan.sorted_steps:
-        env.append(
-            LaunchEnv(
-                contract.SORTED_STEPS,
-                "1",
-                "lfa plugin: micro-batches sorted by length inside each optimizer "
-                "step (same rows per step, less padding)",
-            )
-        )
+    for setting in PLUGIN_SETTINGS:
+        value = setting.env_value(plan)
+        if value is not None:
+            env.append(LaunchEnv(setting.variable, value, setting.why))
     if plan.alloc_conf:
         if distributed:
             env.append(

@@ -21,6 +21,7 @@ from ..tasks import TaskSpec, chat_template_files
 from .keys import (
     ACCELERATE_FSDP2_FILE,
     OPTIMIZER_KEYS,
+    PLUGIN_SETTINGS,
     deepspeed_file_name,
     export_line,
     launch_env,
@@ -145,18 +146,14 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         "task": inputs.task.name,
         "hardware": inputs.hardware.to_dict(),
         "plan": plan.label(),
-        "sorted_steps": plan.sorted_steps,
         "alloc_conf": plan.alloc_conf,
         "launcher": plan.launcher,
         "llamafactory_version": inputs.llamafactory_version,
         **inputs.meta,
     }
-    if plan.padding_free:  # lfa's plugin, not a LLaMA-Factory key: the header says so
-        meta["padding_free"] = True
-    if plan.token_budget:
-        meta["token_budget"] = plan.token_budget
-    if plan.checkpoint_layers:
-        meta["checkpoint_layers"] = plan.checkpoint_layers
+    for setting in PLUGIN_SETTINGS:  # lfa's plugin, not LLaMA-Factory keys: the header carries them
+        if setting.header_value(plan) is not None:
+            meta[setting.field] = setting.header_value(plan)
     if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     hp = dict(inputs.hyperparameters)
