@@ -204,6 +204,43 @@ class LaunchEnv:
 REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
 
 
+def _process_start_env(plan: Plan, master_port: int, master_addr: str | None) -> list[LaunchEnv]:
+    """How the training processes start: accelerate's rendezvous (FSDP2), Ray workers, or LLaMA-Factory's torchrun
+    relaunch (DeepSpeed or several processes); nothing for one plain process."""
+    env: list[LaunchEnv] = []
+    if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
+        env += [
+            LaunchEnv("NODE_RANK", "0", "this node's rank (accelerate --machine_rank)", keep_existing=True),
+            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
+            LaunchEnv("MASTER_PORT", str(master_port), "fixed rendezvous port", keep_existing=True),
+        ]
+    elif plan.launcher == "ray":
+        env.append(
+            LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)")
+        )
+        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    elif plan.distributed:
+        env += [
+            LaunchEnv(
+                "FORCE_TORCHRUN",
+                "1",
+                "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself",
+            ),
+            LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
+            LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
+            LaunchEnv("NODE_RANK", "0", "this node's rank", keep_existing=plan.nodes > 1),
+            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
+            LaunchEnv(
+                "MASTER_PORT",
+                str(master_port),
+                "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node",
+                keep_existing=True,
+            ),
+        ]
+        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    return env
+
+
 def launch_env(
     plan: Plan, offline: bool, master_port: int = 29500, master_addr: str | None = None, report_to=None
 ) -> list[LaunchEnv]:
@@ -228,37 +265,8 @@ def launch_env(
         env.append(
             LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked")
         )
-    distributed = plan.distributed  # DeepSpeed, several processes or FSDP2 (whose branch comes first)
-    if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
-        env += [
-            LaunchEnv("NODE_RANK", "0", "this node's rank (accelerate --machine_rank)", keep_existing=True),
-            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
-            LaunchEnv("MASTER_PORT", str(master_port), "fixed rendezvous port", keep_existing=True),
-        ]
-    elif plan.launcher == "ray":
-        env.append(
-            LaunchEnv("USE_RAY", "1", f"LLaMA-Factory starts {plan.world_size} Ray worker(s) itself (no torchrun)")
-        )
-        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
-    elif distributed:
-        env += [
-            LaunchEnv(
-                "FORCE_TORCHRUN",
-                "1",
-                "LLaMA-Factory refuses DeepSpeed/multi-GPU without torchrun; this makes it relaunch itself",
-            ),
-            LaunchEnv("NPROC_PER_NODE", str(plan.world_size // plan.nodes), "processes on this node = GPUs per node"),
-            LaunchEnv("NNODES", str(plan.nodes), "nodes in the job"),
-            LaunchEnv("NODE_RANK", "0", "this node's rank", keep_existing=plan.nodes > 1),
-            LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
-            LaunchEnv(
-                "MASTER_PORT",
-                str(master_port),
-                "fixed port: LLaMA-Factory picks a random one otherwise, which breaks multi-node",
-                keep_existing=True,
-            ),
-        ]
-        env += [LaunchEnv(k, v, "NVLink multicast off") for k, v in MULTICAST_OFF.items()]
+    distributed = plan.distributed  # DeepSpeed, several processes or FSDP2
+    env += _process_start_env(plan, master_port, master_addr)
     env.append(
         LaunchEnv(
             contract.DROP_PADDING_MASK,
