@@ -149,6 +149,42 @@ def format_machine_options(
     return lines
 
 
+def _what_would_fit(
+    model: ModelSpec, hardware: HardwareProfile, effective_batch: int, seq_len: int, options: PlanOptions
+) -> list[str]:
+    """Where this batch would fit: the fewest GPUs of this kind that hold it, smaller models of the catalog."""
+    would_fit: list[str] = []
+    plain = dataclasses.replace(options, below_reserved_gib=None)
+    for gpus in (2, 4, 8, 16, 32):
+        if effective_batch % gpus:
+            continue
+        bigger = dataclasses.replace(hardware, gpus_per_node=min(gpus, 8), nodes=max(1, gpus // 8))
+        try:
+            found = plan(model, bigger, effective_batch, seq_len, plain, suggest=False)
+        except UserError:
+            continue
+        would_fit.append(
+            f"  would fit: {gpus} GPUs of this kind ({found.chosen.plan.label()}, "
+            f"{found.chosen.memory.reserved_gib:.1f} GiB per GPU, {found.chosen.host.total_gib:.0f} GiB RAM per node)"
+        )
+        break
+    smaller = []
+    for name in catalog():
+        other = load_model_spec(name)
+        if other.num_params >= model.num_params or name == model.name:
+            continue
+        try:
+            plan(other, hardware, effective_batch, seq_len, plain, suggest=False)
+            smaller.append((other.num_params, name))
+        except UserError:
+            continue
+    if smaller:
+        would_fit.append(
+            "  would fit: a smaller model, e.g. " + ", ".join(n for _, n in sorted(smaller, reverse=True)[:3])
+        )
+    return would_fit
+
+
 def no_fit_message(
     model: ModelSpec,
     hardware: HardwareProfile,
@@ -208,33 +244,7 @@ def no_fit_message(
         )
     if not suggest:
         return lines[0]
-    plain = dataclasses.replace(options, below_reserved_gib=None)
-    for gpus in (2, 4, 8, 16, 32):
-        if effective_batch % gpus:
-            continue
-        bigger = dataclasses.replace(hardware, gpus_per_node=min(gpus, 8), nodes=max(1, gpus // 8))
-        try:
-            found = plan(model, bigger, effective_batch, seq_len, plain, suggest=False)
-        except UserError:
-            continue
-        lines.append(
-            f"  would fit: {gpus} GPUs of this kind ({found.chosen.plan.label()}, "
-            f"{found.chosen.memory.reserved_gib:.1f} GiB per GPU, {found.chosen.host.total_gib:.0f} GiB RAM per node)"
-        )
-        break
-    smaller = []
-    for name in catalog():
-        other = load_model_spec(name)
-        if other.num_params >= model.num_params or name == model.name:
-            continue
-        try:
-            plan(other, hardware, effective_batch, seq_len, plain, suggest=False)
-            smaller.append((other.num_params, name))
-        except UserError:
-            continue
-    if smaller:
-        lines.append("  would fit: a smaller model, e.g. " + ", ".join(n for _, n in sorted(smaller, reverse=True)[:3]))
-    return "\n".join(lines)
+    return "\n".join(lines + _what_would_fit(model, hardware, effective_batch, seq_len, options))
 
 
 OPTIMIZER_REASONS = {
