@@ -12,6 +12,32 @@ from .plan import Plan
 from .strategy import Offload, Optimizer, Sharding
 
 
+def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> float:
+    """What an optimizer step costs once, after its micro-batches: the Adam update, NVMe or CPU offload and the
+    gradient exchange between processes."""
+    t = coefficients()["throughput"]
+    gpu = hardware.gpu
+    partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
+    updated = badam_block_params(model) if plan.optimizer == Optimizer.BADAM else partition  # BAdam steps one block
+    seconds = t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    if plan.offloads_to_nvme:
+        seconds += nvme_step_s(model, plan, hardware)
+    if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up
+        link = host_link_bytes_per_s(hardware)
+        seconds += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / link
+        if not plan.shards_parameters and plan.grad_accum > 1:
+            # ZeRO-1/2 offload accumulates in pinned host buffers: after the first micro-batch each one copies the
+            # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
+            # async_accumulate_grad_in_cpu_via_gpu)
+            seconds += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
+        elif plan.shards_parameters and plan.grad_accum > 1:
+            # ZeRO-3 offload adds every micro-batch's gradient partition into the fp32 host copy (a CPU pass)
+            seconds += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
+    if plan.world_size > 1:
+        seconds += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
+    return seconds
+
+
 def predict_tokens_per_s(
     model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
 ) -> float:
@@ -76,24 +102,7 @@ def predict_tokens_per_s(
     elif plan.shards_parameters and plan.world_size > 1:
         zero3_fetch_s += 2 * 2.0 * model.num_params / _link_bytes_per_s(hardware)
     step_s = micro_batches * (max(cpu_s, gpu_s) + zero3_fetch_s)
-    partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
-    updated = badam_block_params(model) if badam else partition  # BAdam steps one block
-    step_s += t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
-    if plan.offloads_to_nvme:
-        step_s += nvme_step_s(model, plan, hardware)
-    if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up
-        link = host_link_bytes_per_s(hardware)
-        step_s += partition / t["cpu_adam_params_per_s"] + 2 * 2.0 * partition / link
-        if not plan.shards_parameters and plan.grad_accum > 1:
-            # ZeRO-1/2 offload accumulates in pinned host buffers: after the first micro-batch each one copies the
-            # running sum up, adds its gradients and copies it back down (stage_1_and_2.py,
-            # async_accumulate_grad_in_cpu_via_gpu)
-            step_s += (plan.grad_accum - 1) * 2 * 2.0 * partition / link
-        elif plan.shards_parameters and plan.grad_accum > 1:
-            # ZeRO-3 offload adds every micro-batch's gradient partition into the fp32 host copy (a CPU pass)
-            step_s += (plan.grad_accum - 1) * partition / t["zero3_offload_accumulate_params_per_s"]
-    if plan.world_size > 1:
-        step_s += 2.0 * model.num_params * 2 * (plan.world_size - 1) / plan.world_size / _link_bytes_per_s(hardware)
+    step_s += _once_per_step_s(model, plan, hardware)
     return real_tokens * micro_batches * plan.world_size / step_s
 
 
