@@ -146,18 +146,8 @@ def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: 
     return shapes
 
 
-def candidate_plans(
-    model: ModelSpec,
-    hardware: HardwareProfile,
-    effective_batch: int,
-    options: PlanOptions,
-    forbidden: set[str] | None = None,
-    seq_len: int = 2048,
-):
-    """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
-    pins are added to `forbidden` (their why), for the message when nothing is left."""
-    precision = options.fixed.get("precision") or pick_precision(hardware)[0]
-    world = hardware.world_size
+def _refuse_impossible_pins(model: ModelSpec, world: int, effective_batch: int, options: PlanOptions) -> None:
+    """Pins no plan can honour, and a batch the GPUs cannot split, stop with the reason."""
     pinned_sharding = options.fixed.get("sharding")
     if pinned_sharding in NOT_PLANNED:
         raise UserError(f"--pin sharding={pinned_sharding}: {NOT_PLANNED[pinned_sharding]}")
@@ -171,26 +161,11 @@ def candidate_plans(
             f"effective batch {effective_batch} is not divisible by {world} GPUs: the task's batch "
             "cannot be kept exactly; pass --gpus to use fewer GPUs"
         )
-    on_cpu = not hardware.has_gpu
-    liger = [False] if on_cpu or not options.liger_available or not hardware.gpu.runs_triton else [True, False]
-    attention = (
-        ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
-    )
-    if model.sdpa_problem:
-        if options.fixed.get("attention") == "sdpa":
-            raise UserError(f"--pin attention=sdpa: {model.sdpa_problem}")
-        attention = [a for a in attention if a != "sdpa"] or ["eager"]
-    packing = [True, False] if options.allow_packing else [False]
-    family_problem = model.padding_free_problem(seq_len)
-    if family_problem and options.fixed.get("padding_free"):
-        raise UserError(f"--pin padding_free=true: {family_problem}")
-    padding_free = (
-        [bool(options.fixed["padding_free"])]
-        if "padding_free" in options.fixed
-        else [True, False]
-        if options.padding_free and padding_free_exact_here(hardware) and not family_problem
-        else [False]
-    )
+
+
+def _engines(hardware: HardwareProfile, options: PlanOptions) -> list[tuple[str | None, str]]:
+    """(DeepSpeed stage or FSDP2 or None, offload) pairs worth pricing on this hardware."""
+    on_cpu, world = not hardware.has_gpu, hardware.world_size
     z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
     optimizer_offload, all_offload = Offload.OPTIMIZER.value, Offload.ALL.value
     if options.fixed.get("sharding") == Sharding.FSDP2:  # only when pinned: FSDP2's speed is not measured yet
@@ -207,6 +182,53 @@ def candidate_plans(
         ds = [(None, none), (z2, none), (z3, none), (z2, optimizer_offload), (z3, optimizer_offload), (z3, all_offload)]
     if hardware.disk is not None and not hardware.disk.rotational and not on_cpu and options.allow_deepspeed:
         ds += [(z3, Offload.NVME_OPTIMIZER.value), (z3, Offload.NVME_ALL.value)]
+    return ds
+
+
+def _kernel_choices(
+    model: ModelSpec, hardware: HardwareProfile, options: PlanOptions, seq_len: int
+) -> tuple[list[bool], list[str], list[bool]]:
+    """The liger, attention and padding-free values worth pricing for this model here (a pin that cannot hold
+    stops with the reason)."""
+    on_cpu = not hardware.has_gpu
+    liger = [False] if on_cpu or not options.liger_available or not hardware.gpu.runs_triton else [True, False]
+    attention = (
+        ["sdpa"] if on_cpu else (["fa2", "sdpa", "eager"] if options.flash_attn_available else ["sdpa", "eager"])
+    )
+    if model.sdpa_problem:
+        if options.fixed.get("attention") == "sdpa":
+            raise UserError(f"--pin attention=sdpa: {model.sdpa_problem}")
+        attention = [a for a in attention if a != "sdpa"] or ["eager"]
+    family_problem = model.padding_free_problem(seq_len)
+    if family_problem and options.fixed.get("padding_free"):
+        raise UserError(f"--pin padding_free=true: {family_problem}")
+    padding_free = (
+        [bool(options.fixed["padding_free"])]
+        if "padding_free" in options.fixed
+        else [True, False]
+        if options.padding_free and padding_free_exact_here(hardware) and not family_problem
+        else [False]
+    )
+    return liger, attention, padding_free
+
+
+def candidate_plans(
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    effective_batch: int,
+    options: PlanOptions,
+    forbidden: set[str] | None = None,
+    seq_len: int = 2048,
+):
+    """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
+    pins are added to `forbidden` (their why), for the message when nothing is left."""
+    precision = options.fixed.get("precision") or pick_precision(hardware)[0]
+    world = hardware.world_size
+    _refuse_impossible_pins(model, world, effective_batch, options)
+    on_cpu = not hardware.has_gpu
+    packing = [True, False] if options.allow_packing else [False]
+    liger, attention, padding_free = _kernel_choices(model, hardware, options, seq_len)
+    ds = _engines(hardware, options)
     # every optimizer is priced (the report shows what an opt-in would give); plan() chooses among the allowed
     optimizers = [options.fixed["optimizer"]] if options.fixed.get("optimizer") else [o.value for o in Optimizer]
     fixed = {
