@@ -128,19 +128,9 @@ def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
     return ACCELERATE_FSDP2_FILE, text
 
 
-def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
-    """Pure: file name -> text for the whole recipe folder."""
-    env = _environment()
+def recipe_meta(inputs: RecipeInputs) -> dict:
+    """The recipe's lfa-meta header: what lfa planned it from, and the plan's settings LLaMA-Factory has no key for."""
     plan = inputs.plan
-    files: dict[str, str] = {}
-    keys = plan_keys(plan)
-    deepspeed_file = keys["deepspeed"]
-    if deepspeed_file:
-        files[deepspeed_file] = render_deepspeed(plan, inputs.nvme)[1]
-    accelerate_config = render_accelerate_config(plan)
-    if accelerate_config:
-        files[accelerate_config[0]] = accelerate_config[1]
-    recipe_file = f"{inputs.recipe_name}.yaml"
     meta = {
         "lfa_version": __version__,
         "task": inputs.task.name,
@@ -156,23 +146,27 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
             meta[setting.field] = setting.header_value(plan)
     if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
-    hp = dict(inputs.hyperparameters)
-    files[recipe_file] = env.get_template("recipe/train.yaml.j2").render(
+    return meta
+
+
+def _train_yaml(env: jinja2.Environment, inputs: RecipeInputs, keys: dict) -> str:
+    plan = inputs.plan
+    text = env.get_template("recipe/train.yaml.j2").render(
         lfa_version=__version__,
         task=inputs.task,
         hardware=inputs.hardware,
         command=inputs.command,
-        meta_json=json.dumps(meta, sort_keys=True),
+        meta_json=json.dumps(recipe_meta(inputs), sort_keys=True),
         model_path=inputs.model_path,
         keys=keys,
         model_from_task=inputs.task.model_from_task,
         plan=plan,
-        deepspeed_file=deepspeed_file,
+        deepspeed_file=keys["deepspeed"],
         dataset_name=inputs.task.dataset.name,
         dataset_dir=".",
         chat_template=inputs.chat_template,
         plugin_template=inputs.chat_template in chat_template_files(),
-        hp=hp,
+        hp=dict(inputs.hyperparameters),
         preprocessing_workers=1 if plan.on_cpu else 8,
         dataloader_workers=0 if plan.on_cpu else 4,
         output_dir=inputs.output_dir,
@@ -187,36 +181,34 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
         optimizer_keys=OPTIMIZER_KEYS[plan.optimizer],
         memory_note=inputs.memory_note,
     )
-    if inputs.extra:  # --set keys: a key the template writes is replaced in place, never written twice
-        files[recipe_file] = set_top_level_keys(
-            files[recipe_file],
-            inputs.extra,
-            "  # --set: not the task's value",
-            "  # --set: not part of the task's recipe",
-        )
-    files["dataset_info.json"] = (
-        json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+    if not inputs.extra:
+        return text
+    # --set keys: a key the template writes is replaced in place, never written twice
+    return set_top_level_keys(
+        text, inputs.extra, "  # --set: not the task's value", "  # --set: not part of the task's recipe"
     )
-    hw = inputs.hardware
-    env_entries = [
-        (export_line(e), e.why)
-        for e in launch_env(
-            plan,
-            offline=inputs.offline,
+
+
+def _launch_scripts(
+    env: jinja2.Environment, inputs: RecipeInputs, recipe_file: str, accelerate_file: str | None
+) -> dict[str, str]:
+    """launch.sh, and per node, Slurm or Ray cluster scripts where the plan spans several processes."""
+    plan, hw = inputs.plan, inputs.hardware
+    exports = launch_env(
+        plan, offline=inputs.offline, master_port=hw.master_port, master_addr=hw.master_addr, report_to=inputs.report_to
+    )
+    env_entries = [(export_line(e), e.why) for e in exports]
+    files = {
+        "launch.sh": env.get_template("launch/launch.sh.j2").render(
+            lfa_version=__version__,
+            recipe_file=recipe_file,
+            env=env_entries,
+            accelerate_config=accelerate_file,
+            world=plan.world_size,
+            nodes=hw.nodes,
             master_port=hw.master_port,
-            master_addr=hw.master_addr,
-            report_to=inputs.report_to,
         )
-    ]
-    files["launch.sh"] = env.get_template("launch/launch.sh.j2").render(
-        lfa_version=__version__,
-        recipe_file=recipe_file,
-        env=env_entries,
-        accelerate_config=accelerate_config[0] if accelerate_config else None,
-        world=plan.world_size,
-        nodes=hw.nodes,
-        master_port=hw.master_port,
-    )
+    }
     common = dict(
         lfa_version=__version__,
         recipe_file=recipe_file,
@@ -246,6 +238,26 @@ def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
             **common,
         )
     return files
+
+
+def render_recipe(inputs: RecipeInputs) -> dict[str, str]:
+    """Pure: file name -> text for the whole recipe folder."""
+    env = _environment()
+    plan = inputs.plan
+    files: dict[str, str] = {}
+    keys = plan_keys(plan)
+    if keys["deepspeed"]:
+        files[keys["deepspeed"]] = render_deepspeed(plan, inputs.nvme)[1]
+    accelerate_config = render_accelerate_config(plan)
+    if accelerate_config:
+        files[accelerate_config[0]] = accelerate_config[1]
+    recipe_file = f"{inputs.recipe_name}.yaml"
+    files[recipe_file] = _train_yaml(env, inputs, keys)
+    files["dataset_info.json"] = (
+        json.dumps(inputs.task.dataset.dataset_info_entry(inputs.dataset_file), indent=2) + "\n"
+    )
+    accelerate_file = accelerate_config[0] if accelerate_config else None
+    return {**files, **_launch_scripts(env, inputs, recipe_file, accelerate_file)}
 
 
 def set_top_level_keys(text: str, values: dict, changed_mark: str, added_mark: str) -> str:
