@@ -22,7 +22,14 @@ from ..tasks import TaskSpec, load_task
 from ..throughput import speed_basis
 from .keys import OPTIMIZER_KEYS, plan_keys
 from .read import load_recipe, parse_sets, parse_value
-from .render import RecipeInputs, nvme_setup, relative_to_dir, render_recipe
+from .render import (
+    DEFAULT_LLAMAFACTORY,
+    DEFAULT_TRANSFORMERS,
+    RecipeInputs,
+    nvme_setup,
+    relative_to_dir,
+    render_recipe,
+)
 
 LIGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "granite", "olmo2"}
 TASK_HYPERPARAMETERS = {
@@ -210,13 +217,8 @@ def with_swap_folder(hardware: HardwareProfile, folder: str) -> HardwareProfile:
 LLAMAFACTORY_VERSION = re.compile(r"\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9]+)*")
 
 
-def generate(request: GenerateRequest) -> Generated:
-    if request.llamafactory_version and not LLAMAFACTORY_VERSION.fullmatch(request.llamafactory_version):
-        raise UserError(
-            f"--llamafactory-version '{comment_text(request.llamafactory_version)[:80]}': expected a version such "
-            "as 0.9.5 or 0.9.4.dev0"
-        )
-    task = load_task(request.task)
+def _hardware(request: GenerateRequest) -> HardwareProfile:
+    """The profile asked for, with the swap folder and GPU count the flags set."""
     hardware = load_profile(request.hardware)
     if request.nvme_path:
         hardware = with_swap_folder(hardware, request.nvme_path)
@@ -226,25 +228,37 @@ def generate(request: GenerateRequest) -> Generated:
                 f"--gpus {request.gpus}: {hardware.name} has {hardware.world_size} GPU(s); use 1..{hardware.world_size}"
             )
         hardware = dataclasses.replace(hardware, nodes=1, gpus_per_node=request.gpus)
+    if request.launcher == "ray" and hardware.world_size == 1:
+        raise UserError("--launcher ray needs several GPUs or nodes: one process needs no launcher")
+    if request.launcher == "ray" and not hardware.has_gpu:
+        raise UserError(
+            "--launcher ray needs GPUs: LLaMA-Factory's Ray path counts every CPU of a CPU-only machine "
+            "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
+            "--launcher torchrun"
+        )
+    if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
+        raise UserError(
+            f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16"
+        )
+    return hardware
+
+
+def _models(request: GenerateRequest, task: TaskSpec) -> tuple[str, str]:
+    """(the model the recipe loads, the model whose shape is planned): the same unless a stage-2 task trains on a
+    stage-1 output."""
     if request.model:
-        recipe_model, shape_model = request.model, request.model
-    elif task.model_from_task:
-        recipe_model, shape_model = _stage1_model(request, task)
-    elif task.default_model:
-        recipe_model = shape_model = task.default_model
-    else:
-        raise UserError(f"task {task.name} has no default model: pass --model")
-    spec = load_model_spec(shape_model)
-    local_model = Path(recipe_model).is_dir() or bool(task.model_from_task and not request.model)
-    if Path(recipe_model).is_dir():
-        recipe_model = relative_to_dir(recipe_model, request.out_dir)
-    chat_template = request.template or task.chat_template
-    if not chat_template:
-        raise UserError(f"task {task.name} needs --template (a LLaMA-Factory template name)")
-    sets = parse_sets(request.sets)
-    hp = dict(task.hyperparameters)
-    extra = {}
-    for key, value in sets.items():
+        return request.model, request.model
+    if task.model_from_task:
+        return _stage1_model(request, task)
+    if task.default_model:
+        return task.default_model, task.default_model
+    raise UserError(f"task {task.name} has no default model: pass --model")
+
+
+def _hyperparameters(request: GenerateRequest, task: TaskSpec) -> tuple[dict, dict]:
+    """(the task's hyperparameters with --set's, the other --set keys): keys the plan owns are refused."""
+    hp, extra = dict(task.hyperparameters), {}
+    for key, value in parse_sets(request.sets).items():
         (hp if key in TASK_HYPERPARAMETERS else extra)[key] = value
     check_hyperparameters(hp)
     owned = sorted(set(extra) & PLAN_OWNED_KEYS)
@@ -254,28 +268,71 @@ def generate(request: GenerateRequest) -> Generated:
             "(--pin micro_batch_size=N, --precision, --pin gradient_checkpointing=false, --pin deepspeed=..., "
             "--pin optimizer=...; the rows per step: --effective-batch)"
         )
+    return hp, extra
+
+
+def _dataset(
+    request: GenerateRequest, task: TaskSpec, cutoff: int, shape_model: str
+) -> tuple[str, float, DatasetProfile | None]:
+    """(the recipe's dataset path, the mean row length over cutoff_len, the profile when the data was read)."""
     if request.dataset:
-        profile = profile_dataset(request.dataset, task.dataset.columns, int(hp["cutoff_len"]), shape_model)
-        dataset_file = relative_to_dir(request.dataset, request.out_dir)
-        mean_fraction = profile.mean_seq_fraction
-    elif task.dataset.file_name:
-        dataset_file, mean_fraction, profile = f"data/{task.dataset.file_name}", 0.75, None
-    else:
-        raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
+        profile = profile_dataset(request.dataset, task.dataset.columns, cutoff, shape_model)
+        return relative_to_dir(request.dataset, request.out_dir), profile.mean_seq_fraction, profile
+    if task.dataset.file_name:
+        return f"data/{task.dataset.file_name}", 0.75, None
+    raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
+
+
+def _recipe_meta(
+    shape_model: str,
+    hp: dict,
+    request: GenerateRequest,
+    result: PlanResult,
+    mean_fraction: float,
+    profile: DatasetProfile | None,
+) -> dict:
+    """What the recipe's lfa-meta header records about how it was planned and what was predicted."""
+    meta = {
+        "model": shape_model,
+        "effective_batch_size": int(hp["effective_batch_size"]),
+        "mean_seq_fraction": round(mean_fraction, 4),
+        "allow_packing": request.allow_packing,
+        "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
+        "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
+        "predicted_host_gib": round(result.chosen.host.total_gib, 1),
+    }
+    if result.chosen.disk_gib:
+        meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
+    if profile:
+        meta["dataset_rows"] = profile.rows
+    return meta
+
+
+def generate(request: GenerateRequest) -> Generated:
+    if request.llamafactory_version and not LLAMAFACTORY_VERSION.fullmatch(request.llamafactory_version):
+        raise UserError(
+            f"--llamafactory-version '{comment_text(request.llamafactory_version)[:80]}': expected a version such "
+            "as 0.9.5 or 0.9.4.dev0"
+        )
+    task = load_task(request.task)
+    hardware = _hardware(request)
+    recipe_model, shape_model = _models(request, task)
+    spec = load_model_spec(shape_model)
+    local_model = Path(recipe_model).is_dir() or bool(task.model_from_task and not request.model)
+    if Path(recipe_model).is_dir():
+        recipe_model = relative_to_dir(recipe_model, request.out_dir)
+    chat_template = request.template or task.chat_template
+    if not chat_template:
+        raise UserError(f"task {task.name} needs --template (a LLaMA-Factory template name)")
+    hp, extra = _hyperparameters(request, task)
+    epochs, cutoff = float(hp.get("num_train_epochs", 1.0)), int(hp["cutoff_len"])
+    dataset_file, mean_fraction, profile = _dataset(request, task, cutoff, shape_model)
     versions = installed_versions()
     liger_ok = spec.arch in LIGER_MODEL_TYPES and (
         request.hardware != "detect" or versions.get("liger-kernel") is not None
     )
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
-    if request.launcher == "ray" and hardware.world_size == 1:
-        raise UserError("--launcher ray needs several GPUs or nodes: one process needs no launcher")
-    if request.launcher == "ray" and not hardware.has_gpu:
-        raise UserError(
-            "--launcher ray needs GPUs: LLaMA-Factory's Ray path counts every CPU of a CPU-only machine "
-            "as a device and reserves 10 CPUs for each, so it can never place its workers; use "
-            "--launcher torchrun"
-        )
     margin = planning_margin(spec, hardware, request.use_measured)
     options = PlanOptions(
         headroom=margin.headroom,
@@ -291,39 +348,19 @@ def generate(request: GenerateRequest) -> Generated:
         fixed=fixed,
         allow_optimizer_change=request.allow_optimizer_change,
     )
-    if request.precision == "bf16" and hardware.has_gpu and not hardware.gpu.bf16:
-        raise UserError(
-            f"--precision bf16: {hardware.gpu.name} (sm{hardware.gpu.compute_capability}) has no native bf16"
-        )
-    epochs, cutoff = float(hp.get("num_train_epochs", 1.0)), int(hp["cutoff_len"])
     rows = profile.rows if profile else None
     try:
         result = plan(spec, hardware, int(hp["effective_batch_size"]), cutoff, options)
     except NoPlanFits as exc:
         listing = options_listing(exc.priced, hardware, cutoff, mean_fraction, rows, epochs, fixed.get("optimizer"))
         raise NoPlanFits("\n".join([str(exc), *listing]), exc.priced) from None
-    chosen = result.chosen.plan
-    meta = {
-        "model": shape_model,
-        "effective_batch_size": int(hp["effective_batch_size"]),
-        "mean_seq_fraction": round(mean_fraction, 4),
-        "allow_packing": request.allow_packing,
-        "predicted_reserved_gib": round(result.chosen.memory.reserved_gib, 2),
-        "predicted_tokens_per_s": round(result.chosen.tokens_per_s),
-        "predicted_host_gib": round(result.chosen.host.total_gib, 1),
-    }
-    if result.chosen.disk_gib:
-        meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
-    if profile:
-        meta["dataset_rows"] = profile.rows
-    output_dir = f"saves/{task.name}"
     inputs = RecipeInputs(
         task=task,
         plan=result.chosen.plan,
         hardware=hardware,
         model_path=recipe_model,
         dataset_file=dataset_file,
-        output_dir=output_dir,
+        output_dir=f"saves/{task.name}",
         chat_template=chat_template,
         command=request.command or "lfa generate " + shlex.join(["--task", task.name]),
         recipe_name=request.name,
@@ -332,11 +369,11 @@ def generate(request: GenerateRequest) -> Generated:
         offline=local_model,
         save_steps=request.save_steps,
         logging_steps=request.logging_steps,
-        meta=meta,
-        llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or "0.9.5",
-        transformers_version=request.transformers_version or versions.get("transformers") or "5.6.0",
+        meta=_recipe_meta(shape_model, hp, request, result, mean_fraction, profile),
+        llamafactory_version=request.llamafactory_version or versions.get("llamafactory") or DEFAULT_LLAMAFACTORY,
+        transformers_version=request.transformers_version or versions.get("transformers") or DEFAULT_TRANSFORMERS,
         report_to=request.report_to,
-        nvme=nvme_setup(chosen, spec, hardware),
+        nvme=nvme_setup(result.chosen.plan, spec, hardware),
         memory_note=margin.note,
     )
     return Generated(

@@ -48,6 +48,11 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+# the README stack's versions: what a recipe is written for when neither a flag nor the installed packages say
+DEFAULT_LLAMAFACTORY = "0.9.5"
+DEFAULT_TRANSFORMERS = "5.6.0"
+
+
 @dataclass
 class RecipeInputs:
     task: TaskSpec
@@ -65,8 +70,8 @@ class RecipeInputs:
     save_steps: int = 500
     logging_steps: int = 10
     meta: dict = field(default_factory=dict)
-    llamafactory_version: str = "0.9.5"  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
-    transformers_version: str = "5.6.0"  # which warmup key to write (keys.warmup_key)
+    llamafactory_version: str = DEFAULT_LLAMAFACTORY  # which LLaMA-Factory's keys to write (Ray keys changed in 0.9.5)
+    transformers_version: str = DEFAULT_TRANSFORMERS  # which warmup key to write (keys.warmup_key)
     report_to: str = "none"  # one of REPORT_TO
     nvme: NvmeSetup | None = None  # the swap folder of an NVMe offload plan
     memory_note: str = ""  # extra headroom or a measured peak the plan rests on
