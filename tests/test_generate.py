@@ -276,3 +276,46 @@ def test_a_soft_capped_family_is_never_planned_with_sdpa_which_drops_the_capping
         plan(gemma2, load_profile("h200"), 64, 2048, PlanOptions(fixed={"attention": "sdpa"}))
     llama = plan(load_model_spec("meta-llama/Llama-3.2-3B"), load_profile("h200"), 64, 2048)
     assert llama.chosen.plan.attention == "sdpa"
+
+
+def test_the_recorded_generate_command_reads_back_as_the_same_request():
+    """The recipe header's `lfa generate ...` comes from GenerateRequest.argv: parsed by the CLI's own options it
+    gives back every field that changes the plan."""
+    from pathlib import Path
+
+    from lf_adapter.cli.plans import generate as generate_command
+    from lf_adapter.recipe.generate import GenerateRequest
+
+    request = GenerateRequest(
+        task="pseudo2norm",
+        out_dir=Path("/out"),
+        model="/models/two words",
+        dataset="/data/rows.jsonl",
+        template="sk2decompile",
+        hardware="a100-80g",
+        gpus=2,
+        allow_packing=True,
+        precision="fp16",
+        sort_steps=False,
+        padding_free=False,
+        token_budget=False,
+        pins=("micro_batch_size=4", "liger=false"),
+        launcher="ray",
+        llamafactory_version="0.9.4",
+        sets=("learning_rate=1.0e-5", "run_name=a b"),
+        report_to="wandb",
+        allow_optimizer_change=True,
+        nvme_path="/nvme",
+    )
+    params = generate_command.make_context("generate", request.argv()).params
+    assert params["out_dir"] is None  # the folder does not change the plan; the CLI's -o sets it
+    expected = {
+        "task": "pseudo2norm", "model": "/models/two words", "dataset": "/data/rows.jsonl", "template": "sk2decompile",
+        "hardware": "a100-80g", "gpus": 2, "precision": "fp16", "allow_packing": True, "no_sorted_steps": True,
+        "no_padding_free": True, "no_token_budget": True, "pins": ("micro_batch_size=4", "liger=false"),
+        "launcher": "ray", "llamafactory_version": "0.9.4", "sets": ("learning_rate=1.0e-5", "run_name=a b"),
+        "report_to": "wandb", "allow_optimizer_change": True, "nvme_path": "/nvme",
+    }  # fmt: skip
+    assert {k: params[k] for k in expected} == expected
+    plain = GenerateRequest(task="pseudo2norm", out_dir=Path("/out"), hardware="cpu").argv()
+    assert plain == ["--task", "pseudo2norm", "--hardware", "cpu"]

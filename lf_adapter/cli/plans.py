@@ -201,26 +201,6 @@ def generate(
             )
         sets = (*sets, f"effective_batch_size={effective_batch}")
     out = Path(out_dir or f"recipes/{task}")
-    args = (
-        ["--task", task]
-        + (["--model", model] if model else [])
-        + (["--dataset", dataset] if dataset else [])
-        + (["--template", template] if template else [])
-        + ["--hardware", hardware]
-        + (["--gpus", str(gpus)] if gpus else [])
-        + (["--precision", precision] if precision else [])
-        + (["--allow-packing"] if allow_packing else [])
-        + (["--no-sorted-steps"] if no_sorted_steps else [])
-        + (["--no-padding-free"] if no_padding_free else [])
-        + (["--no-token-budget"] if no_token_budget else [])
-        + [x for s in pins for x in ("--pin", s)]
-        + (["--allow-optimizer-change"] if allow_optimizer_change else [])
-        + (["--nvme-path", nvme_path] if nvme_path else [])
-        + (["--launcher", launcher] if launcher != "torchrun" else [])
-        + (["--llamafactory-version", llamafactory_version] if llamafactory_version else [])
-        + [x for s in sets for x in ("--set", s)]
-        + (["--report-to", report_to] if report_to != "none" else [])
-    )
     request = GenerateRequest(
         task=task,
         out_dir=out,
@@ -240,11 +220,11 @@ def generate(
         sets=tuple(sets),
         save_steps=save_steps,
         logging_steps=logging_steps,
-        command="lfa generate " + shlex.join(args),
         report_to=report_to,
         allow_optimizer_change=allow_optimizer_change,
         nvme_path=nvme_path,
     )
+    request.command = "lfa generate " + shlex.join(request.argv())
     gen = run_generate(request)
     written = write_recipe_dir(gen.files, out, force=force)
     if as_json:

@@ -46,6 +46,18 @@ TASK_HYPERPARAMETERS = {
 }
 
 
+def _flag(name: str, value: object) -> list[str]:
+    return [name, str(value)] if value else []
+
+
+def _switch(name: str, on: bool) -> list[str]:
+    return [name] if on else []
+
+
+def _repeated(name: str, values: tuple[str, ...]) -> list[str]:
+    return [x for value in values for x in (name, value)]
+
+
 @dataclass
 class GenerateRequest:
     task: str
@@ -73,6 +85,21 @@ class GenerateRequest:
     allow_optimizer_change: bool = False  # memory-light optimizers may be chosen (they change what is trained)
     nvme_path: str | None = None  # NVMe offload's swap folder instead of the profile's disk path
     use_measured: bool = True  # plan from peaks lfa train measured on this machine (goldens: from the models alone)
+
+    def argv(self) -> list[str]:
+        """The `lfa generate` flags that plan this recipe again (the recipe's header records them; the output folder,
+        save and logging steps are left out: they do not change the plan)."""
+        return [
+            "--task", self.task, *_flag("--model", self.model), *_flag("--dataset", self.dataset),
+            *_flag("--template", self.template), "--hardware", self.hardware, *_flag("--gpus", self.gpus),
+            *_flag("--precision", self.precision), *_switch("--allow-packing", self.allow_packing),
+            *_switch("--no-sorted-steps", not self.sort_steps), *_switch("--no-padding-free", not self.padding_free),
+            *_switch("--no-token-budget", not self.token_budget), *_repeated("--pin", self.pins),
+            *_switch("--allow-optimizer-change", self.allow_optimizer_change), *_flag("--nvme-path", self.nvme_path),
+            *_flag("--launcher", self.launcher if self.launcher != "torchrun" else None),
+            *_flag("--llamafactory-version", self.llamafactory_version), *_repeated("--set", self.sets),
+            *_flag("--report-to", self.report_to if self.report_to != "none" else None),
+        ]  # fmt: skip
 
 
 @dataclass
