@@ -85,9 +85,6 @@ def badam_graph_layers(model: ModelSpec, plan: Plan) -> int:
     return model.num_layers - 1 if plan.gradient_checkpointing else model.num_layers
 
 
-AUTOCAST_COPIES = "autocast 16-bit weight copies (kept with accumulation)"
-
-
 def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
     """Weights, gradients and optimizer states without DeepSpeed or FSDP, by optimizer."""
     p = model.num_params
@@ -107,8 +104,9 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
         states["optimizer (8-bit Adam m, v + fp32 block scales, bitsandbytes)"] = (2.0 + 2 * 4.0 / BNB_BLOCK) * p
     else:
         states["optimizer (Adam m, v fp32)"] = 8.0 * p
-    if plan.precision in ("bf16", "fp16") and plan.accumulates:
-        states[AUTOCAST_COPIES] = 2.0 * p
+    if plan.precision in ("bf16", "fp16") and plan.accumulates and not plan.gradient_checkpointing:
+        # with checkpointing autocast's copies live only until the forward ends (_autocast_recompute_phases)
+        states["autocast 16-bit weight copies (kept with accumulation)"] = 2.0 * p
     return states
 
 
@@ -312,9 +310,8 @@ def _autocast_recompute_phases(model: ModelSpec, plan: Plan, seq_len: int, state
     loss = _loss_bytes(model, plan, tokens)
     forward = {"activations (checkpointed layer inputs, fp32)": residual * k, **kept, "logits + loss": loss}
     recompute = {"the layer being recomputed": layer, EAGER_BACKWARD: _eager_backward_bytes(model, plan, seq_len)}
-    persistent = {name: v for name, v in states.items() if name != AUTOCAST_COPIES}
     before_gradients = (
-        persistent if plan.accumulates else {n: v for n, v in persistent.items() if not n.startswith("gradients")}
+        states if plan.accumulates else {n: v for n, v in states.items() if not n.startswith("gradients")}
     )
     autocast = plan.precision in ("bf16", "fp16")
     cache = {"autocast's 16-bit weight cache (until the forward ends)": 2.0 * model.num_params if autocast else 0.0}
@@ -327,7 +324,7 @@ def _autocast_recompute_phases(model: ModelSpec, plan: Plan, seq_len: int, state
     return [
         Phase("end of the forward", {**before_gradients, **cache}, forward),
         Phase("first recompute", before_gradients, first),
-        Phase("last recompute", persistent, last),
+        Phase("last recompute", states, last),
     ]
 
 

@@ -82,14 +82,6 @@ def precision_from_keys(data: dict) -> str:
     return "bf16" if truthy(data.get("bf16")) else "fp16" if truthy(data.get("fp16")) else "fp32"
 
 
-def _checkpoint_layers(meta: dict, data: dict) -> int | None:
-    """The header's checkpoint_layers, when the recipe still checkpoints (a hand edit may have turned it off)."""
-    layers = meta.get("checkpoint_layers")
-    if not layers or truthy(data.get("disable_gradient_checkpointing", False)):
-        return None
-    return int(layers)
-
-
 def plan_from_keys(
     data: dict,
     meta: dict,
@@ -102,6 +94,9 @@ def plan_from_keys(
     FSDP2 and lfa's plugin settings (sorted steps, allocator, launcher) come from the lfa-meta header."""
     stage, offload = deepspeed
     flash_attn = str(data.get("flash_attn", "auto"))
+    plugin = {setting.field: setting.read(meta) for setting in PLUGIN_SETTINGS}
+    if truthy(data.get("disable_gradient_checkpointing", False)):
+        plugin["checkpoint_layers"] = None  # the header's, when a hand edit has turned checkpointing off since
     return Plan(
         precision=precision_from_keys(data),
         micro_batch_size=micro_batch_size,
@@ -115,8 +110,7 @@ def plan_from_keys(
         sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE),
         offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
-        **{setting.field: setting.read(meta) for setting in PLUGIN_SETTINGS}
-        | {"checkpoint_layers": _checkpoint_layers(meta, data)},
+        **plugin,
         alloc_conf=meta.get("alloc_conf"),
         launcher="ray" if "ray_num_workers" in data or meta.get("launcher") == "ray" else "torchrun",
         optimizer=optimizer_from_keys(data),
@@ -265,7 +259,6 @@ def launch_env(
         env.append(
             LaunchEnv("HF_HUB_OFFLINE", "1", "model and data are local: never wait on a hub that may be blocked")
         )
-    distributed = plan.distributed  # DeepSpeed, several processes or FSDP2
     env += _process_start_env(plan, master_port, master_addr)
     env.append(
         LaunchEnv(
@@ -280,7 +273,7 @@ def launch_env(
         if value is not None:
             env.append(LaunchEnv(setting.variable, value, setting.why))
     if plan.alloc_conf:
-        if distributed:
+        if plan.distributed:  # DeepSpeed, several processes or FSDP2
             env.append(
                 LaunchEnv(
                     "OPTIM_TORCH",

@@ -147,8 +147,9 @@ def recipe_meta(inputs: RecipeInputs) -> dict:
         **inputs.meta,
     }
     for setting in PLUGIN_SETTINGS:  # lfa's plugin, not LLaMA-Factory keys: the header carries them
-        if setting.header_value(plan) is not None:
-            meta[setting.field] = setting.header_value(plan)
+        value = setting.header_value(plan)
+        if value is not None:
+            meta[setting.field] = value
     if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
         meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
     return meta
