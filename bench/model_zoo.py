@@ -235,6 +235,8 @@ def run_one(
             oom=measured.get("oom"),
             alloc_retries=measured.get("alloc_retries"),
             micro_batches_per_step=measured.get("micro_batches_per_step"),
+            largest_micro_batch_tokens=measured.get("largest_micro_batch_tokens"),
+            inactive_split_gib=measured.get("inactive_split_gib"),
             kernel_profile=measured.get("kernel_profile"),
             memory_items_gib=first.get("predicted", {}).get("memory_gib"),
         )

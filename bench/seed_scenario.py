@@ -154,6 +154,8 @@ def steady_state(events_file: Path) -> dict:
         "steps_measured": max(0, len(steps) - 1),
         "alloc_retries": steps[-1].get("alloc_retries") if steps else None,
         "micro_batches_per_step": [e.get("micro_batches") for e in steps],
+        "largest_micro_batch_tokens": max((e.get("largest_micro_batch_tokens") or 0 for e in steps), default=None),
+        "inactive_split_gib": steps[-1].get("gpu_inactive_split_gib") if steps else None,
     }
     if profiles:
         row["kernel_profile"] = profiles[-1]

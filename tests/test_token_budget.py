@@ -122,6 +122,9 @@ def test_through_the_real_trainer_a_token_budget_trains_the_padded_steps(cpu_rec
     cut = [e["micro_batches"] for e in steps["budget"]]
     assert all(1 <= n < rows for n in cut), cut  # several rows share a micro-batch of at most 1024 tokens
     assert [e["flat_micro_batches"] for e in steps["budget"]] == cut
+    largest = [e["largest_micro_batch_tokens"] for e in steps["budget"]]
+    assert all(0 < n <= 1024 for n in largest), largest  # cutoff_len 512: a micro-batch stays in its budget
+    assert max(e["largest_micro_batch_tokens"] for e in steps["padded"]) > max(largest), largest  # 8 padded rows
     assert [e["step_tokens"] for e in steps["budget"]] == [e["step_tokens"] for e in steps["padded"]]
     losses = {
         name: [r["loss"] for r in _losses(recipe.parent / "saves" / "pseudo2norm") if "loss" in r]

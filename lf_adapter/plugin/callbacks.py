@@ -35,12 +35,14 @@ def record_step_batches(batch_samples) -> None:
     """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
     (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
     collator left where it dropped the padding mask, before the model sees the batch."""
-    counts, flat, micro_batches = [], 0, 0
+    counts, flat, micro_batches, largest = [], 0, 0, 0
     for batch in batch_samples:
         if not isinstance(batch, Mapping):
             continue
         inner = batch.get(MICRO_BATCHES) or [batch]  # a token-budget step holds its micro-batches
         micro_batches += len(inner)
+        # padded tokens of the largest micro-batch: the activations' size the memory model prices (shape, no sync)
+        largest = max([largest, *(b["input_ids"].numel() for b in inner if hasattr(b.get("input_ids"), "numel"))])
         flat += sum("cu_seq_lens_q" in b for b in inner)  # flattened (padding-free)
         if "lfa_nonpad_tokens" in batch:
             counts.append(batch.pop("lfa_nonpad_tokens"))
@@ -49,6 +51,7 @@ def record_step_batches(batch_samples) -> None:
     _STEP_TOKENS["value"] = sum(counts) if counts else None
     _STEP_TOKENS["flat_micro_batches"] = flat
     _STEP_TOKENS["micro_batches"] = micro_batches
+    _STEP_TOKENS["largest_micro_batch_tokens"] = largest
 
 
 def _cuda():
@@ -114,7 +117,10 @@ class EventsCallback(TrainerCallback):
             event["gpu_reserved_gib"] = round(cuda.max_memory_reserved() / 2**30, 3)
             event["gpu_allocated_gib"] = round(cuda.max_memory_allocated() / 2**30, 3)
             # cudaFree + cudaMalloc retries: the allocator ran out of cached blocks (each one synchronizes)
-            event["alloc_retries"] = cuda.memory_stats().get("num_alloc_retries", 0)
+            stats = cuda.memory_stats()
+            event["alloc_retries"] = stats.get("num_alloc_retries", 0)
+            # cached blocks split off in-use segments at their peak: the allocator's fragmentation
+            event["gpu_inactive_split_gib"] = round(stats.get("inactive_split_bytes.all.peak", 0) / 2**30, 3)
             if event.get("event") in ("train_begin", "step"):  # train_begin opens the window of the first step
                 event.update(_gpu_step_stats())
         elif os.environ.get(contract.INJECT_PEAK_GIB):  # tests: a GPU peak on a machine without one
@@ -165,6 +171,7 @@ class EventsCallback(TrainerCallback):
             step_tokens=tokens,
             flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0),
             micro_batches=_STEP_TOKENS.get("micro_batches", 0),
+            largest_micro_batch_tokens=_STEP_TOKENS.get("largest_micro_batch_tokens", 0),
         )
         self.last = now
 
