@@ -13,7 +13,7 @@ from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
 from .saved_tensors import saved_tensors_per_token
-from .strategy import Optimizer, Sharding
+from .strategy import Optimizer
 
 GIB = 2**30
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # plan precision -> config.json dtype
@@ -112,9 +112,9 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
 
 def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float]:
     """Weights, gradients and Adam states per GPU (bytes), and bytes moved off the GPU by offload. What each
-    strategy divides by the number of processes is strategy.SHARDS_*, read through the plan."""
+    strategy divides by the number of processes is its record's shards (strategy.STRATEGIES), read through the plan."""
     p, n = model.num_params, plan.world_size
-    if plan.sharding == Sharding.FSDP2:
+    if plan.strategy.engine == "fsdp2":
         # FSDP2 (accelerate) shards LLaMA-Factory's fp32-upcast parameters, their fp32 gradients and the Adam
         # moments; the current and the prefetched layer are gathered in the 16-bit compute dtype. By construction
         # from FSDP2's design, not measured yet (bench/README.md)
@@ -405,7 +405,7 @@ def estimate(
     # DeepSpeed), or ZeRO-1/2 offload reduces the embedding's gradient at the end of the backward
     floors = {
         "optimizer step (all model states at once)": sum(states.values())
-        if plan.deepspeed is None and plan.sharding != Sharding.FSDP2
+        if plan.strategy.holds_all_states_at_step
         else 0.0,
         "end of the backward (the embedding gradient's fp64 norm copy)": _end_of_backward_bytes(model, plan, states),
     }
@@ -487,11 +487,10 @@ def host_memory(model: ModelSpec, plan: Plan, hardware: HardwareProfile, ram_gib
         "trainer runtime (Python, torch, CUDA, data) x ranks": c["runtime_gib_per_rank"] * ranks,
     }
     loading = dict(runtime)
-    if (
-        plan.sharding == Sharding.FSDP2 and not plan.on_cpu
-    ):  # cpu_ram_efficient_loading: rank 0 reads, the others receive
+    host_load = plan.strategy.host_load
+    if host_load == "rank 0" and not plan.on_cpu:  # FSDP2's cpu_ram_efficient_loading: the others receive
         loading["model load (rank 0)"] = c["load_bytes_per_param"] * model.num_params / GIB
-    elif plan.deepspeed != Sharding.ZERO3:
+    elif host_load != "partitioned":  # ZeRO-3's zero.Init partitions while loading
         loading["model load x ranks"] = c["load_bytes_per_param"] * model.num_params * ranks / GIB
     training = dict(runtime)
     if plan.offloads_to_nvme:

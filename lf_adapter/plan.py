@@ -7,17 +7,14 @@ from dataclasses import dataclass, field
 
 from .strategy import (
     ATTENTIONS,
-    DEEPSPEED_STAGES,
     LAUNCHERS,
     OFFLOADS,
     PRECISIONS,
-    SHARDS_GRADIENTS,
-    SHARDS_OPTIMIZER,
-    SHARDS_PARAMETERS,
+    STRATEGIES,
     Offload,
     OffloadKind,
     Optimizer,
-    Sharding,
+    Strategy,
     normalized_sharding,
 )
 
@@ -81,18 +78,23 @@ class Plan:
         return self.grad_accum > 1 or self.token_budget > 0
 
     @property
+    def strategy(self) -> Strategy:
+        """The sharding strategy's record (strategy.STRATEGIES)."""
+        return STRATEGIES[self.sharding]
+
+    @property
     def deepspeed(self) -> str | None:
         """The DeepSpeed stage's name (zero1/zero2/zero3), None when DeepSpeed is not used."""
-        return self.sharding if self.sharding in DEEPSPEED_STAGES else None
+        return self.sharding if self.strategy.engine == "deepspeed" else None
 
     @property
     def sixteen_bit_model(self) -> bool:
         """The model's weights are 16-bit (DeepSpeed, FSDP2's mixed precision, BAdam), not fp32 under autocast."""
-        return self.deepspeed is not None or self.sharding == Sharding.FSDP2 or self.optimizer == Optimizer.BADAM
+        return self.strategy.sixteen_bit_model or self.optimizer == Optimizer.BADAM
 
     @property
     def deepspeed_stage(self) -> int | None:
-        return DEEPSPEED_STAGES.get(self.sharding)
+        return self.strategy.deepspeed_stage
 
     @property
     def offload_kind(self) -> OffloadKind:
@@ -117,20 +119,20 @@ class Plan:
 
     @property
     def shards_parameters(self) -> bool:
-        return self.sharding in SHARDS_PARAMETERS
+        return "parameters" in self.strategy.shards
 
     @property
     def shards_gradients(self) -> bool:
-        return self.sharding in SHARDS_GRADIENTS
+        return "gradients" in self.strategy.shards
 
     @property
     def shards_optimizer(self) -> bool:
-        return self.sharding in SHARDS_OPTIMIZER
+        return "optimizer" in self.strategy.shards
 
     @property
     def distributed(self) -> bool:
         """Started through torchrun / accelerate: several processes, or DeepSpeed / FSDP2 even on one."""
-        return self.world_size > 1 or self.sharding in (*DEEPSPEED_STAGES, Sharding.FSDP2)
+        return self.world_size > 1 or self.strategy.engine != "none"
 
     @property
     def effective_batch_size(self) -> int:
@@ -186,7 +188,7 @@ class Plan:
         if self.liger:
             parts.append("liger")
         parts.append(self.attention)
-        if self.sharding not in (Sharding.NONE, Sharding.DDP):
+        if self.strategy.engine != "none":
             parts.append(self.sharding + ("" if self.offload == Offload.NONE else f"-offload-{self.offload}"))
         if self.changes_optimizer:
             parts.append(self.optimizer)

@@ -330,7 +330,7 @@ def _sharding_reason(c: Candidate, hardware: HardwareProfile) -> str:
             f"{p.deepspeed} with offload={p.offload}: model states do not fit otherwise; launched "
             "through torchrun (FORCE_TORCHRUN=1)" + nvme
         )
-    if p.sharding == Sharding.FSDP2:
+    if p.strategy.started_by == "accelerate":
         return (
             f"none; sharding fsdp2 (pinned): parameters, gradients and Adam states sharded over "
             f"{p.world_size} processes, started by `accelerate launch` with accelerate_fsdp2.yaml; "

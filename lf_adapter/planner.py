@@ -19,7 +19,7 @@ from .memory import (
 )
 from .model_spec import ModelSpec
 from .plan import Plan
-from .strategy import NOT_PLANNED, Offload, Optimizer, Sharding, normalized_sharding, violations
+from .strategy import NOT_PLANNED, STRATEGIES, Offload, Optimizer, Sharding, normalized_sharding, violations
 from .throughput import predict_tokens_per_s
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -168,8 +168,9 @@ def _engines(hardware: HardwareProfile, options: PlanOptions) -> list[tuple[str 
     on_cpu, world = not hardware.has_gpu, hardware.world_size
     z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
     optimizer_offload, all_offload = Offload.OPTIMIZER.value, Offload.ALL.value
-    if options.fixed.get("sharding") == Sharding.FSDP2:  # only when pinned: FSDP2's speed is not measured yet
-        ds = [(Sharding.FSDP2.value, none)]
+    pinned = options.fixed.get("sharding")
+    if pinned in STRATEGIES and STRATEGIES[pinned].proposed == "pinned":  # FSDP2: its speed is not measured yet
+        ds = [(pinned, none)]
     elif on_cpu or not options.allow_deepspeed:
         ds = [(None, none)]
     elif world == 1:

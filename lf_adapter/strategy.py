@@ -73,19 +73,97 @@ class Optimizer(_Vocabulary):
     BADAM = "badam"  # BAdam: block coordinate descent, Adam states for one decoder layer at a time (use_badam)
 
 
-Precision = Literal["bf16", "fp16", "fp32"]
-Attention = Literal["sdpa", "fa2", "fa3", "eager", "auto"]
-Launcher = Literal["torchrun", "ray"]
-PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
-ATTENTIONS: tuple[str, ...] = ("sdpa", "fa2", "fa3", "eager", "auto")
-LAUNCHERS: tuple[str, ...] = ("torchrun", "ray")
+class Precision(_Vocabulary):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
 
-DEEPSPEED_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
-SHARDING_OF_STAGE = {stage: sharding.value for sharding, stage in DEEPSPEED_STAGES.items()}
-# what each strategy divides by the number of processes
-SHARDS_OPTIMIZER = frozenset({Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
-SHARDS_GRADIENTS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP2})
-SHARDS_PARAMETERS = frozenset({Sharding.ZERO3, Sharding.FSDP2})
+
+class Launcher(_Vocabulary):
+    TORCHRUN = "torchrun"  # LLaMA-Factory's FORCE_TORCHRUN relaunch (or one plain process)
+    RAY = "ray"  # USE_RAY=1: Ray workers
+
+
+Attention = Literal["sdpa", "fa2", "fa3", "eager", "auto"]
+PRECISIONS: tuple[str, ...] = tuple(m.value for m in Precision)
+ATTENTIONS: tuple[str, ...] = ("sdpa", "fa2", "fa3", "eager", "auto")
+LAUNCHERS: tuple[str, ...] = tuple(m.value for m in Launcher)
+
+ShardedState = Literal["optimizer", "gradients", "parameters"]
+Engine = Literal["none", "deepspeed", "fsdp2"]  # what owns the model states (memory.py prices each engine's)
+StartedBy = Literal["llamafactory-cli", "torchrun", "accelerate"]
+HostLoad = Literal["every rank", "rank 0", "partitioned"]  # who reads the checkpoint into host RAM
+Proposed = Literal["always", "pinned", "never"]  # whether the planner prices it unasked
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What one sharding strategy is: the one place behaviour reads it from (never `== Sharding.X`)."""
+
+    sharding: Sharding
+    engine: Engine
+    shards: frozenset[str]  # ShardedState: what is divided by the number of processes
+    started_by: StartedBy  # on one process; several processes are always a launcher's
+    config_template: str | None  # templates/ file the recipe folder gets (None: train.yaml alone)
+    header_key: str | None  # lfa-meta key recording it where train.yaml has no key for it
+    deepspeed_stage: int | None = None
+    sixteen_bit_model: bool = False  # the engine holds 16-bit weights (fp32 master in its optimizer): no autocast
+    host_load: HostLoad = "every rank"
+    offloads: frozenset[str] = frozenset({"none"})  # Offload values it runs
+    # ZeRO-3's hooks gather a module's parameters only inside that module's forward (liger's fused loss reads
+    # lm_head.weight outside it)
+    gathers_per_module: bool = False
+    # its optimizer has no .defaults, where transformers reads an absolute min_lr (ZeRO-3): min_lr_rate only
+    min_lr_as_rate: bool = False
+    min_processes: int = 1
+    proposed: Proposed = "always"
+    not_proposed_why: str = ""  # a pin of a "never" strategy is refused with this
+    speed_caveat: str = ""  # where its speed is priced by another strategy's terms
+
+    @property
+    def token_budget(self) -> bool:
+        """lfa's plugin cuts steps into token-budget micro-batches only where no engine owns accumulation."""
+        return self.engine == "none"
+
+    @property
+    def holds_all_states_at_step(self) -> bool:
+        """torch's AdamW steps over every state at once (the engines step partitions)."""
+        return self.engine == "none"
+
+
+_ZERO_OFFLOADS = frozenset({"none", "optimizer"})
+_ZERO3_OFFLOADS = frozenset({"none", "optimizer", "all", "nvme-optimizer", "nvme-all"})
+STRATEGIES: dict[str, Strategy] = {
+    s.sharding.value: s
+    for s in (
+        Strategy(Sharding.NONE, "none", frozenset(), "llamafactory-cli", None, None),
+        Strategy(Sharding.DDP, "none", frozenset(), "torchrun", None, None),
+        Strategy(
+            Sharding.ZERO1, "deepspeed", frozenset({"optimizer"}), "torchrun", "deepspeed/zero.json.j2", None,
+            deepspeed_stage=1, sixteen_bit_model=True, offloads=_ZERO_OFFLOADS, proposed="never",
+            not_proposed_why="lfa does not plan ZeRO-1: on one GPU it shards nothing, and on several ZeRO-2 shards "
+            "the optimizer states as ZeRO-1 does and the gradients too, for the same communication volume; pin "
+            "sharding=zero2",
+        ),
+        Strategy(
+            Sharding.ZERO2, "deepspeed", frozenset({"optimizer", "gradients"}), "torchrun", "deepspeed/zero.json.j2",
+            None, deepspeed_stage=2, sixteen_bit_model=True, offloads=_ZERO_OFFLOADS,
+        ),
+        Strategy(
+            Sharding.ZERO3, "deepspeed", frozenset({"optimizer", "gradients", "parameters"}), "torchrun",
+            "deepspeed/zero.json.j2", None, deepspeed_stage=3, sixteen_bit_model=True, host_load="partitioned",
+            offloads=_ZERO3_OFFLOADS, gathers_per_module=True, min_lr_as_rate=True,
+        ),
+        Strategy(
+            Sharding.FSDP2, "fsdp2", frozenset({"optimizer", "gradients", "parameters"}), "accelerate",
+            "launch/accelerate_fsdp2.yaml.j2", "sharding", sixteen_bit_model=True, host_load="rank 0",
+            min_processes=2, proposed="pinned",
+            speed_caveat="FSDP2 priced as ZeRO-3 (its own speed is not measured yet)",
+        ),
+    )
+}  # fmt: skip
+
+SHARDING_OF_STAGE = {s.deepspeed_stage: name for name, s in STRATEGIES.items() if s.deepspeed_stage}
 
 
 def normalized_sharding(value: str | None, world_size: int) -> str:
@@ -97,10 +175,7 @@ def normalized_sharding(value: str | None, world_size: int) -> str:
 
 
 # strategies lfa reads in recipes but never plans, and why: a pin of one is refused with this
-NOT_PLANNED = {
-    Sharding.ZERO1: "lfa does not plan ZeRO-1: on one GPU it shards nothing, and on several ZeRO-2 shards the "
-    "optimizer states as ZeRO-1 does and the gradients too, for the same communication volume; pin sharding=zero2",
-}
+NOT_PLANNED = {name: s.not_proposed_why for name, s in STRATEGIES.items() if s.proposed == "never"}
 
 
 @dataclass(frozen=True)
@@ -115,7 +190,7 @@ class Constraint:
 CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         "liger_with_zero3",
-        lambda p: p.liger and p.sharding == Sharding.ZERO3,
+        lambda p: p.liger and STRATEGIES[p.sharding].gathers_per_module,
         "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads lm_head.weight directly, which "
         "ZeRO-3 leaves sharded (size mismatch on the first step; huggingface/trl#3368, #5891)",
         "turn liger off or use ZeRO-2",
@@ -123,28 +198,28 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ),
     Constraint(
         "offload_needs_deepspeed",
-        lambda p: p.offload != Offload.NONE and p.sharding not in DEEPSPEED_STAGES,
+        lambda p: p.offload != Offload.NONE and STRATEGIES[p.sharding].engine != "deepspeed",
         "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
         "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload",
         "deepspeed",
     ),
     Constraint(
         "parameter_offload_needs_zero3",
-        lambda p: OFFLOADS[p.offload].parameters and p.sharding != Sharding.ZERO3,
+        lambda p: OFFLOADS[p.offload].parameters and p.offload not in STRATEGIES[p.sharding].offloads,
         "parameters can only be offloaded when ZeRO-3 partitions them",
         "use ZeRO-3 or offload the optimizer only",
         "deepspeed",
     ),
     Constraint(
         "nvme_offload_needs_zero3",
-        lambda p: OFFLOADS[p.offload].device == "nvme" and p.sharding != Sharding.ZERO3,
+        lambda p: OFFLOADS[p.offload].device == "nvme" and p.offload not in STRATEGIES[p.sharding].offloads,
         "DeepSpeed swaps optimizer states to NVMe only in ZeRO-3 (stage_1_and_2.py has no swapper; 0.19.8)",
         "use ZeRO-3 for NVMe offload",
         "deepspeed",
     ),
     Constraint(
         "optimizer_change_with_deepspeed",
-        lambda p: p.optimizer != Optimizer.ADAMW and p.sharding != Sharding.NONE,
+        lambda p: p.optimizer != Optimizer.ADAMW and p.distributed,
         "lfa prices 8-bit AdamW and BAdam on one process only (BAdam does not run under DeepSpeed or FSDP; "
         "8-bit AdamW's states would be sharded differently)",
         "use AdamW, or one GPU without DeepSpeed",
@@ -169,14 +244,14 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ),
     Constraint(
         "fsdp2_on_one_process",
-        lambda p: p.sharding == Sharding.FSDP2 and p.world_size == 1,
+        lambda p: p.world_size < STRATEGIES[p.sharding].min_processes,
         "FSDP2 on one process has nothing to shard it over",
         "use it with several GPUs, or no sharding",
         "deepspeed",
     ),
     Constraint(
         "fsdp2_with_ray",
-        lambda p: p.sharding == Sharding.FSDP2 and p.launcher == "ray",
+        lambda p: STRATEGIES[p.sharding].started_by == "accelerate" and p.launcher == Launcher.RAY,
         "LLaMA-Factory starts FSDP2 through `accelerate launch`, not through its Ray workers",
         "use the torchrun launcher",
         "deepspeed",

@@ -9,7 +9,7 @@ from .hardware import HardwareProfile
 from .memory import badam_block_params, coefficients, liger_loss_chunk_rows
 from .model_spec import ModelSpec
 from .plan import Plan
-from .strategy import Offload, Optimizer, Sharding
+from .strategy import Offload, Optimizer
 
 
 def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> float:
@@ -225,8 +225,8 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
     if plan.offloads_to_nvme:
         basis += "; " + nvme_basis(hardware)
-    if plan.sharding == Sharding.FSDP2:
-        basis += "; FSDP2 priced as ZeRO-3 (its own speed is not measured yet)"
+    if plan.strategy.speed_caveat:
+        basis += "; " + plan.strategy.speed_caveat
     if hardware.nodes > 1:
         basis += (
             f"; between nodes {hardware.internode_gbs:g} GB/s (the profile's internode_gbs)"
@@ -240,7 +240,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
                 (plan.offloads_to_nvme, nvme_basis(hardware)),
                 (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
                 (plan.padding_free, "padding-free plans measured 1-9% faster than this"),
-                (plan.sharding == Sharding.FSDP2, "FSDP2 priced as ZeRO-3 (not measured)"),
+                (bool(plan.strategy.speed_caveat), plan.strategy.speed_caveat),
             )
             if applies
         ]

@@ -137,3 +137,33 @@ def test_a_pin_the_planner_never_proposes_is_refused_with_the_reason():
     small = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2")
     dgx = plan(small, load_profile("dgx-a100-80g"), 64, 2048, PlanOptions(fixed={"token_budget": 8192}))
     assert all(not c.plan.deepspeed for c in [dgx.chosen, *dgx.runners_up])  # never priced under an engine
+
+
+def test_behaviour_reads_the_strategy_records_never_a_strategys_identity():
+    """One record per strategy (strategy.STRATEGIES): its template exists, its stage matches its engine, and no
+    module outside strategy.py compares a sharding with a Sharding member."""
+    import re
+    from pathlib import Path
+
+    from lf_adapter.strategy import STRATEGIES, Sharding
+
+    repo = Path(__file__).resolve().parents[1]
+    assert set(STRATEGIES) == {s.value for s in Sharding}
+    for name, record in STRATEGIES.items():
+        assert record.sharding == name
+        assert (record.deepspeed_stage is not None) == (record.engine == "deepspeed"), name
+        if record.config_template:
+            assert (repo / "templates" / record.config_template).is_file(), record.config_template
+        assert (record.proposed == "never") == bool(record.not_proposed_why), name
+        assert record.offloads >= {"none"}
+    identity = re.compile(r"(==|!=|\bin\b)\s*\(?\s*Sharding\.[A-Z0-9]+")
+    for path in (repo / "lf_adapter").rglob("*.py"):
+        if path.name == "strategy.py":
+            continue
+        hits = [line.strip() for line in path.read_text().splitlines() if identity.search(line)]
+        assert not hits, f"{path.relative_to(repo)}: {hits}"
+    # what the records say is what plans do
+    zero3 = Plan("bf16", 1, 8, world_size=2, sharding="zero3")
+    assert zero3.sixteen_bit_model and zero3.shards_parameters and zero3.deepspeed_stage == 3
+    assert not Plan("bf16", 1, 8).sixteen_bit_model and not Plan("bf16", 1, 8).distributed
+    assert Plan("bf16", 1, 8, sharding="zero2").distributed  # DeepSpeed relaunches through torchrun on one GPU

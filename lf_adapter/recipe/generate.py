@@ -17,7 +17,7 @@ from ..plan import LF_FLASH_ATTN, Plan
 from ..plan_reasons import format_machine_options, machine_options
 from ..planner import NoPlanFits, PlanOptions, PlanResult, plan
 from ..quoting import comment_text
-from ..strategy import Offload, Optimizer, Sharding
+from ..strategy import STRATEGIES, Offload, Optimizer, Sharding
 from ..tasks import TaskSpec, load_task
 from ..throughput import speed_basis
 from .keys import OPTIMIZER_KEYS, plan_keys
@@ -188,8 +188,9 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
             raise UserError(f"--pin {key}={fixed[key]}: must be an integer >= {lowest}")
     if fixed.get("checkpoint_layers") and fixed.get("gradient_checkpointing") is False:
         raise UserError("--pin checkpoint_layers needs gradient checkpointing (not gradient_checkpointing=false)")
-    if fixed.get("deepspeed") not in (None, Sharding.ZERO2, Sharding.ZERO3):
-        raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use zero2, zero3 or none")
+    stages = [name for name, s in STRATEGIES.items() if s.engine == "deepspeed" and s.proposed != "never"]
+    if fixed.get("deepspeed") not in (None, *stages):
+        raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use {', '.join(stages)} or none")
     if "sharding" in fixed:
         try:
             Sharding.parse(fixed["sharding"], "--pin sharding")

@@ -13,7 +13,7 @@ from ..hardware import HardwareProfile
 from ..plan import ATTENTION_FROM_LF, Plan
 from ..plugin import contract
 from ..quoting import shell_export
-from ..strategy import Offload, Optimizer, Sharding
+from ..strategy import STRATEGIES, Offload, Optimizer, Sharding
 
 
 def truthy(value) -> bool:
@@ -82,6 +82,14 @@ def precision_from_keys(data: dict) -> str:
     return "bf16" if truthy(data.get("bf16")) else "fp16" if truthy(data.get("fp16")) else "fp32"
 
 
+def _header_sharding(meta: dict) -> str:
+    """A strategy train.yaml has no key for (FSDP2), as the lfa-meta header records it; else no sharding."""
+    for name, strategy in STRATEGIES.items():
+        if strategy.header_key and meta.get(strategy.header_key) == name:
+            return name
+    return Sharding.NONE.value
+
+
 def plan_from_keys(
     data: dict,
     meta: dict,
@@ -107,7 +115,7 @@ def plan_from_keys(
         gradient_checkpointing=not truthy(data.get("disable_gradient_checkpointing", False)),
         liger=truthy(data.get("enable_liger_kernel", False)),
         attention=ATTENTION_FROM_LF.get(flash_attn, flash_attn),
-        sharding=stage or (Sharding.FSDP2 if meta.get("sharding") == Sharding.FSDP2 else Sharding.NONE),
+        sharding=stage or _header_sharding(meta),
         offload=offload,
         packing=truthy(data.get("packing", False)) or truthy(data.get("neat_packing", False)),
         **plugin,
@@ -202,7 +210,9 @@ def _process_start_env(plan: Plan, master_port: int, master_addr: str | None) ->
     """How the training processes start: accelerate's rendezvous (FSDP2), Ray workers, or LLaMA-Factory's torchrun
     relaunch (DeepSpeed or several processes); nothing for one plain process."""
     env: list[LaunchEnv] = []
-    if plan.sharding == Sharding.FSDP2:  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
+    if (
+        plan.strategy.started_by == "accelerate"
+    ):  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
         env += [
             LaunchEnv("NODE_RANK", "0", "this node's rank (accelerate --machine_rank)", keep_existing=True),
             LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),

@@ -16,7 +16,6 @@ from ..memory import NvmeSettings, nvme_settings
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..quoting import comment_text, shell_word, yaml_float, yaml_scalar
-from ..strategy import Sharding
 from ..tasks import TaskSpec, chat_template_files
 from .keys import (
     ACCELERATE_FSDP2_FILE,
@@ -104,7 +103,7 @@ def render_deepspeed(plan: Plan, nvme: NvmeSetup | None = None) -> tuple[str, st
         raise UserError(f"{plan.label()}: NVMe offload needs its swap folder")
     text = (
         _environment()
-        .get_template("deepspeed/zero.json.j2")
+        .get_template(plan.strategy.config_template)
         .render(
             stage=plan.deepspeed_stage,
             offload_optimizer=plan.offloads_optimizer,
@@ -119,11 +118,11 @@ def render_deepspeed(plan: Plan, nvme: NvmeSetup | None = None) -> tuple[str, st
 
 def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
     """(file name, text) of the accelerate config an FSDP2 plan launches with; None for other strategies."""
-    if plan.sharding != Sharding.FSDP2:
+    if plan.strategy.started_by != "accelerate":
         return None
     text = (
         _environment()
-        .get_template("launch/accelerate_fsdp2.yaml.j2")
+        .get_template(plan.strategy.config_template)
         .render(
             lfa_version=__version__,
             on_cpu=plan.on_cpu,
@@ -150,8 +149,8 @@ def recipe_meta(inputs: RecipeInputs) -> dict:
         value = setting.header_value(plan)
         if value is not None:
             meta[setting.field] = value
-    if plan.sharding == Sharding.FSDP2:  # lives outside train.yaml (accelerate's config): the header says how it starts
-        meta.update(sharding=plan.sharding, accelerate_config=ACCELERATE_FSDP2_FILE)
+    if plan.strategy.header_key:  # lives outside train.yaml (accelerate's config): the header says how it starts
+        meta.update({plan.strategy.header_key: plan.sharding, "accelerate_config": ACCELERATE_FSDP2_FILE})
     return meta
 
 

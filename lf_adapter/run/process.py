@@ -13,7 +13,6 @@ from pathlib import Path
 from ..plan import Plan
 from ..plugin import boot_dir
 from ..recipe.keys import ACCELERATE_FSDP2_FILE, LaunchEnv
-from ..strategy import Sharding
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +47,7 @@ def llamafactory_command(
 ) -> list[str]:
     """`llamafactory-cli train` (which relaunches itself through torchrun when FORCE_TORCHRUN says so), or for
     FSDP2 `accelerate launch` of LLaMA-Factory's launcher.py with the recipe folder's accelerate config."""
-    if plan is not None and plan.sharding == Sharding.FSDP2:
+    if plan is not None and plan.strategy.started_by == "accelerate":
         import importlib.util
 
         env = env or {}

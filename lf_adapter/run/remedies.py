@@ -371,7 +371,7 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
 def _keep_schedule_under_zero3(remedy: Remedy | None, context: Context) -> Remedy | None:
     """A remedy that moves to ZeRO-3 writes an absolute min_lr as min_lr_rate (the same schedule): transformers
     reads optimizer.defaults for min_lr, which DeepSpeed's ZeRO-3 optimizer lacks."""
-    if remedy is None or remedy.attempt is None or remedy.attempt.plan.deepspeed != Sharding.ZERO3:
+    if remedy is None or remedy.attempt is None or not remedy.attempt.plan.strategy.min_lr_as_rate:
         return remedy
     converted = _min_lr_rate(remedy.attempt, None, context)
     if converted is None:

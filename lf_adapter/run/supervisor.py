@@ -18,7 +18,6 @@ from ..plugin import contract
 from ..quoting import shell_export
 from ..quoting import yaml_scalar as _scalar
 from ..recipe.keys import launch_env, plan_keys
-from ..strategy import Sharding
 from .checkpoints import content_hash, newest_complete_checkpoint, set_aside_poisoned_checkpoints
 from .ledger import (
     SUPERVISOR_FILE,
@@ -131,7 +130,7 @@ def prepare_launch(setup: RunSetup, state: LoopState) -> Launch | str:
     env[contract.EVENTS_FILE] = str(setup.run_dir / "events.jsonl")
     env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
     env.update(setup.rendezvous_env)
-    if attempt.plan.sharding == Sharding.FSDP2:
+    if attempt.plan.strategy.started_by == "accelerate":
         write_accelerate_config(recipe.folder, attempt.plan)
     command = llamafactory_command(recipe.path, [f"{k}={_scalar(v)}" for k, v in overrides.items()], attempt.plan, env)
     env[contract.ATTEMPT] = str(n)
