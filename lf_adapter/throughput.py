@@ -72,14 +72,13 @@ def predict_tokens_per_s(
     elif not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
         rate *= t["variable_shape_efficiency"]
     rate *= 1.0 - (1.0 - t["checkpointing_gpu_efficiency"]) * recomputed
+    widening = layer_width(model) / t["fitted_hidden_size"]
     if not plan.liger and plan.precision != "fp32":
-        rate *= t["no_liger_gpu_efficiency"]
+        # the unfused norms, activation and rotary are elementwise work: per FLOP it shrinks as the layer widens
+        rate /= 1.0 + (1.0 / t["no_liger_gpu_efficiency"] - 1.0) / widening
     # wider layers: larger GEMMs, and the memory-bound elementwise work shrinks relative to the matmuls (the rates
     # above were fitted at hidden 2048); never above the fixed-shape rate
-    rate = min(
-        rate * (model.hidden_size / t["fitted_hidden_size"]) ** t["width_rate_exponent"],
-        gpu.peak_tflops_16bit * 1e12 * t["mfu_max"],
-    )
+    rate = min(rate * widening ** t["width_rate_exponent"], gpu.peak_tflops_16bit * 1e12 * t["mfu_max"])
     gpu_s = flops / rate
     padded_tokens = rows * padded_len / micro_batches
     if plan.attention == "eager":
@@ -104,6 +103,14 @@ def predict_tokens_per_s(
     step_s = micro_batches * (max(cpu_s, gpu_s) + zero3_fetch_s)
     step_s += _once_per_step_s(model, plan, hardware)
     return real_tokens * micro_batches * plan.world_size / step_s
+
+
+def layer_width(model: ModelSpec) -> float:
+    """The hidden size of the Llama-shaped layer (as many query as key-value heads, a gated MLP of 8/3 x hidden:
+    12 h^2 weights) with as many weights as this model's layer: a layer's GEMM work per token against the
+    elementwise work along its residual stream. Equal to the hidden size on the fitted DeepSeek shapes (2,053 and
+    4,107 for 2,048 and 4,096); wider for a wide MLP or few key-value heads (Qwen2.5-Coder-3B: 2,534 at 2,048)."""
+    return math.sqrt(model.params_per_layer / 12.0)
 
 
 def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, hbm_tbps: float) -> float:

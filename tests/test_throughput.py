@@ -1,0 +1,42 @@
+"""The throughput model: the layer width its rates scale with, and the zoo's measured speeds (bench/README.md)."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+from lf_adapter.hardware import load_profile
+from lf_adapter.model_spec import load_model_spec
+from lf_adapter.plan import Plan
+from lf_adapter.throughput import layer_width, predict_tokens_per_s
+
+
+def test_the_layer_width_is_the_hidden_size_on_the_fitted_shapes_and_grows_with_the_mlp():
+    for size, hidden in (("1.3b", 2048), ("6.7b", 4096)):
+        name = f"deepseek-ai/deepseek-coder-{size}-base"
+        assert layer_width(load_model_spec(name)) == pytest.approx(hidden, rel=0.005)
+    qwen25, qwen3 = load_model_spec("Qwen/Qwen2.5-Coder-3B"), load_model_spec("Qwen/Qwen3-1.7B")
+    assert qwen25.hidden_size == qwen3.hidden_size == 2048
+    assert layer_width(qwen25) == pytest.approx(2534, abs=1)  # MLP 5.4 x hidden, two key-value heads
+    assert layer_width(qwen3) == pytest.approx(2048, rel=0.005)
+
+
+def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
+    sys.path.insert(0, str(REPO / "bench"))
+    from model_zoo import BENCH_MEAN_SEQ_FRACTION
+
+    # the one row outside, and why: a 64-row micro-batch plan lfa no longer makes (its memory is priced over the card)
+    known_outside = {("Qwen/Qwen3-1.7B", "fp16/mbs64xga1x1/gc/liger/sdpa/zero2-offload-optimizer/padfree/sorted")}
+    rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
+    errors = {}
+    for row in rows:
+        if not row.get("steady_tokens_per_s") or row.get("used_for_fit") or row.get("attempts") != 1:
+            continue
+        plan = Plan.from_label(row["plan"], alloc_conf="expandable_segments:True")
+        model, hardware = load_model_spec(row["model"]), load_profile(row["hardware"])
+        predicted = predict_tokens_per_s(model, plan, hardware, 2048, BENCH_MEAN_SEQ_FRACTION)
+        errors[(row["model"], row["plan"], row["run"])] = row["steady_tokens_per_s"] / predicted - 1
+    outside = {(model, plan) for (model, plan, _), error in errors.items() if abs(error) > 0.10}
+    assert outside == known_outside, {k: round(v, 3) for k, v in errors.items() if abs(v) > 0.10}
+    assert len(errors) >= 20
