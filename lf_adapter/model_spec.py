@@ -40,6 +40,7 @@ class ModelSpec:
     explicit_head_dim: int | None = None  # config.json's head_dim where heads x head_dim is not the hidden size
     output_bias: bool = False  # biases on the attention output and the MLP (StarCoder2's use_bias)
     attention_softcap: float | None = None  # Gemma-2's attn_logit_softcapping: scores squashed before the softmax
+    final_softcap: float | None = None  # Gemma-2's final_logit_softcapping: the logits squashed before the loss
     sliding_window: int | None = None  # attention sees at most this many earlier tokens (where the family uses one)
 
     def padding_free_problem(self, seq_len: int) -> str | None:
@@ -164,6 +165,7 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
             explicit_head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
             output_bias=bool(cfg.get("use_bias", False)),
             attention_softcap=float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping") else None,
+            final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
             # Qwen2-style configs carry a window they do not use unless use_sliding_window says so
             sliding_window=int(cfg["sliding_window"])
             if cfg.get("sliding_window") and cfg.get("use_sliding_window", True)
@@ -187,6 +189,7 @@ CATALOG_KEYS = (
     "head_dim",
     "use_bias",
     "attn_logit_softcapping",
+    "final_logit_softcapping",
     "sliding_window",
 )
 

@@ -72,10 +72,9 @@ def predict_tokens_per_s(
     elif not plan.packing:  # a new shape every micro-batch runs below the fixed-shape rate
         rate *= t["variable_shape_efficiency"]
     rate *= 1.0 - (1.0 - t["checkpointing_gpu_efficiency"]) * recomputed
-    widening = layer_width(model) / t["fitted_hidden_size"]
     if not plan.liger and plan.precision != "fp32":
-        # the unfused norms, activation and rotary are elementwise work: per FLOP it shrinks as the layer widens
-        rate /= 1.0 + (1.0 / t["no_liger_gpu_efficiency"] - 1.0) / widening
+        rate *= t["no_liger_gpu_efficiency"]
+    widening = layer_width(model) / t["fitted_hidden_size"]
     # wider layers: larger GEMMs, and the memory-bound elementwise work shrinks relative to the matmuls (the rates
     # above were fitted at hidden 2048); never above the fixed-shape rate
     rate = min(rate * widening ** t["width_rate_exponent"], gpu.peak_tflops_16bit * 1e12 * t["mfu_max"])
@@ -85,6 +84,8 @@ def predict_tokens_per_s(
         gpu_s += eager_scores_s(model, plan, padded_tokens, padded_len, recomputed, gpu.hbm_tbps)
     if plan.liger and plan.precision != "fp32":
         gpu_s += fused_loss_walk_s(model, plan, padded_tokens, rate, gpu.hbm_tbps)
+    elif plan.precision != "fp32":
+        gpu_s += unfused_loss_walk_s(model, padded_tokens, gpu.hbm_tbps)
     if not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
@@ -110,7 +111,7 @@ def layer_width(model: ModelSpec) -> float:
     12 h^2 weights) with as many weights as this model's layer: a layer's GEMM work per token against the
     elementwise work along its residual stream. Equal to the hidden size on the fitted DeepSeek shapes (2,053 and
     4,107 for 2,048 and 4,096); wider for a wide MLP or few key-value heads (Qwen2.5-Coder-3B: 2,534 at 2,048)."""
-    return math.sqrt(model.params_per_layer / 12.0)
+    return max(float(model.hidden_size), math.sqrt(model.params_per_layer / 12.0))
 
 
 def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, hbm_tbps: float) -> float:
@@ -126,6 +127,16 @@ def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, 
         per_element["sixteen_bit" if plan.sixteen_bit_model else "autocast"] * weight / streaming_bytes_per_s(hbm_tbps)
     )
     return chunks * max(0.0, memory_s - 6.0 * chunk_rows * weight / rate)
+
+
+def unfused_loss_walk_s(model: ModelSpec, tokens: float, hbm_tbps: float) -> float:
+    """Without liger the logits are materialized (tokens x vocabulary) and walked by elementwise kernels: the fp32
+    upcast, log-softmax and its backward, and a final soft-capping's divide, tanh and multiply (Gemma-2); bytes per
+    logit in catalog/memory_model.yaml, by construction from transformers' ForCausalLMLoss. Memory-bound: the
+    bytes over the streaming rate."""
+    per_logit = coefficients()["throughput"]["unfused_loss_bytes_per_logit"]
+    walked = per_logit["loss"] + (per_logit["softcap"] if model.final_softcap else 0.0)
+    return tokens * model.vocab_size * walked / streaming_bytes_per_s(hbm_tbps)
 
 
 def eager_scores_s(
