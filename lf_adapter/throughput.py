@@ -108,9 +108,11 @@ def predict_tokens_per_s(
 
 def layer_width(model: ModelSpec) -> float:
     """The hidden size of the Llama-shaped layer (as many query as key-value heads, a gated MLP of 8/3 x hidden:
-    12 h^2 weights) with as many weights as this model's layer: a layer's GEMM work per token against the
-    elementwise work along its residual stream. Equal to the hidden size on the fitted DeepSeek shapes (2,053 and
-    4,107 for 2,048 and 4,096); wider for a wide MLP or few key-value heads (Qwen2.5-Coder-3B: 2,534 at 2,048)."""
+    12 h^2 weights) with as many weights as this model's layer, never below the hidden size: a layer's GEMM work per
+    token against the elementwise work along its residual stream. The hidden size on the fitted DeepSeek shapes
+    (2,053 and 4,107 for 2,048 and 4,096); wider for a wide MLP (Qwen2.5-Coder-3B: 2,534 at 2,048). Fewer
+    key-value heads or an ungated MLP do not narrow it (StarCoder2 and Llama-3.2-3B keep 3,072: narrowed, their
+    rows moved 4-5% away from the measurements)."""
     return max(float(model.hidden_size), math.sqrt(model.params_per_layer / 12.0))
 
 
