@@ -339,16 +339,17 @@ def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: floa
         return {"activations (all layers)": per_token_layer * L * tokens, "logits + loss": loss}
     k = plan.checkpointed_layers(L)
     items = {f"activations ({k} of {L} layers checkpointed: 16-bit inputs)": 2.0 * h * k * tokens}
-    if k < L:
-        return {**items, f"activations ({L - k} layers not checkpointed)": per_token_layer * (L - k) * tokens,
-                "logits + loss": loss}  # fmt: skip
-    # the layer's backward holds 16-bit gradients of width h: of its output, its input, the residual branch and their
-    # sum; four is FITTED on one row (Phi-3-mini capped, bench/README.md "Activations by construction")
-    held = 2.0 * V * h + 4 * 2.0 * tokens * h
-    if per_token_layer * tokens + held > loss:
-        return {**items, "activations (the layer being recomputed)": per_token_layer * tokens,
-                "lm_head gradient + the layer's input/output gradients": held}  # fmt: skip
-    return {**items, "logits + loss": loss}
+    # the end of the forward: the layers not checkpointed keep their graphs, and the loss its tensors
+    forward = {f"activations ({L - k} layers not checkpointed)": per_token_layer * (L - k) * tokens} if k < L else {}
+    forward["logits + loss"] = loss
+    # the top checkpointed layer's recompute (the layers above have freed theirs): its backward holds 16-bit
+    # gradients of width h: of its output, its input, the residual branch and their sum; four is FITTED on one row
+    # (Phi-3-mini capped, bench/README.md "Activations by construction")
+    recompute = {
+        "activations (the layer being recomputed)": per_token_layer * tokens,
+        "lm_head gradient + the layer's input/output gradients": 2.0 * V * h + 4 * 2.0 * tokens * h,
+    }
+    return {**items, **max(forward, recompute, key=lambda phase: sum(phase.values()))}
 
 
 def _loss_bytes_16bit(model: ModelSpec, plan: Plan, tokens: int) -> float:
