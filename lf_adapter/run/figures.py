@@ -103,14 +103,25 @@ def _panel(
     return drawn
 
 
-def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
-    import matplotlib.pyplot as plt
+STEP_AXIS = "optimizer step"
 
-    paths = {}
+
+def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
+    """The run's figures as PNGs in out_dir: loss and gradient norm, speed, memory, the GPU's NVML samples, the
+    learning rate."""
     last = report.attempts[-1] if report.attempts else None
     predicted = last.predicted if last else {}
-    step_axis = "optimizer step"
+    figures = {
+        "loss": _loss_figure(report),
+        "throughput": _speed_figure(report),
+        "memory": _memory_figure(report, predicted),
+        "gpu": _gpu_figure(report),
+        "lr": _lr_figure(report),
+    }
+    return _save_figures(figures, out_dir)
 
+
+def _loss_figure(report: RunReport):
     fig, (ax_loss, ax_grad) = _figure("loss and gradient norm per step", rows=2)
     if _panel(
         ax_loss,
@@ -146,10 +157,12 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
         [("grad_norm", "grad norm")],
         "grad norm",
         "no gradient norm logged yet",
-        xlabel=step_axis,
+        xlabel=STEP_AXIS,
     )
-    paths["loss"] = fig
+    return fig
 
+
+def _speed_figure(report: RunReport):
     fig, (ax,) = _figure("training speed: non-pad tokens per second")
     _panel(
         ax,
@@ -163,10 +176,12 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
             for a in report.attempts
             if a.predicted.get("tokens_per_s")
         ],
-        xlabel=step_axis,
+        xlabel=STEP_AXIS,
     )
-    paths["throughput"] = fig
+    return fig
 
+
+def _memory_figure(report: RunReport, predicted: dict):
     fig, (ax_gpu, ax_host) = _figure("memory per step", rows=2)
     gpu_refs = (
         [(predicted["reserved_gib"], f"predicted peak {predicted['reserved_gib']:.1f} GiB", "tab:purple")]
@@ -197,10 +212,12 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
         [(predicted["host_gib"], f"predicted per node {predicted['host_gib']:.1f} GiB", "tab:purple")]
         if predicted.get("host_gib")
         else [],
-        xlabel=step_axis,
+        xlabel=STEP_AXIS,
     )
-    paths["memory"] = fig
+    return fig
 
+
+def _gpu_figure(report: RunReport):
     fig, (ax_util, ax_clock, ax_power) = _figure(
         "GPU per optimizer step (NVML, rank 0): utilization mean and min-max of the step's samples, SM clock, power",
         rows=3,
@@ -208,7 +225,7 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
     no_nvml = "no NVML samples: this run trained on the CPU (or nvidia-ml-py is missing)"
     _panel(ax_util, report, "steps", [("gpu_util_pct", "utilization %")], "utilization %", no_nvml)
     _panel(ax_clock, report, "steps", [("gpu_sm_clock_mhz", "SM clock MHz")], "SM clock MHz", no_nvml)
-    _panel(ax_power, report, "steps", [("gpu_power_w", "power W")], "power W", no_nvml, xlabel=step_axis)
+    _panel(ax_power, report, "steps", [("gpu_power_w", "power W")], "power W", no_nvml, xlabel=STEP_AXIS)
     for s in report.series.values():  # the spread of the samples inside each step
         band = [
             (x, lo, hi)
@@ -217,15 +234,21 @@ def draw_figures(report: RunReport, out_dir: Path) -> dict[str, Path]:
         ]
         if band:
             ax_util.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2)
-    paths["gpu"] = fig
+    return fig
 
+
+def _lr_figure(report: RunReport):
     fig, (ax,) = _figure("learning rate")
-    _panel(ax, report, "log_steps", [("lr", "learning rate")], "lr", "no learning rate logged yet", xlabel=step_axis)
-    paths["lr"] = fig
+    _panel(ax, report, "log_steps", [("lr", "learning rate")], "lr", "no learning rate logged yet", xlabel=STEP_AXIS)
+    return fig
+
+
+def _save_figures(figures: dict, out_dir: Path) -> dict[str, Path]:
+    import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, fig in paths.items():
+    for name, fig in figures.items():
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         staging = out_dir / f".{name}.png.lfa-tmp"
