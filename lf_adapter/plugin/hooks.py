@@ -168,8 +168,6 @@ def _patch_sft_trainer(trainer_module) -> None:
     micro-batches (LFA_TOKEN_BUDGET), recompute of k layers (LFA_CHECKPOINT_LAYERS) and per-step token counts for
     lfa's events."""
     from lf_adapter.plugin import callbacks as lfa_callbacks
-    from lf_adapter.plugin import padding_free
-    from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
     from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_rows, split_step
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
@@ -178,22 +176,9 @@ def _patch_sft_trainer(trainer_module) -> None:
     original_step = trainer_class.training_step
 
     def _get_train_sampler(self, *args, **kwargs):
-        # token-budget steps: one batch per process per step, so the sorted block is dealt round-robin to processes
-        budget = getattr(self, "_lfa_token_budget", 0)
-        if os.environ.get(contract.SORTED_STEPS) == "1" and not self.finetuning_args.disable_shuffling:
-            dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
-            lengths = row_lengths(dataset)
-            if lengths is not None:
-                a = self.args
-                world = max(1, a.world_size)
-                block = a.per_device_train_batch_size * a.gradient_accumulation_steps * world
-                lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})" + (
-                    f", token_budget({budget})" if budget else ""
-                )
-                seed = a.data_seed if a.data_seed is not None else a.seed
-                return SortedStepSampler(lengths, block, seed=seed, deal=world if budget else 1)
-        lfa_callbacks.SAMPLER["name"] = f"token_budget({budget})" if budget else "default"
-        return original_sampler(self, *args, **kwargs)
+        dataset = args[0] if args else kwargs.get("train_dataset") or self.train_dataset
+        sampler = _sorted_step_sampler(self, dataset)  # a sampler has a length: never tested for truth
+        return original_sampler(self, *args, **kwargs) if sampler is None else sampler
 
     def get_batch_samples(self, *args, **kwargs):
         # the step's tokens are counted on the padded rows, as transformers counts for accumulation
@@ -226,38 +211,73 @@ def _patch_sft_trainer(trainer_module) -> None:
     def __init__(self, *args, **kwargs):
         _step_batches(self, kwargs.get("args"))
         original_init(self, *args, **kwargs)
-        if os.environ.get(contract.PADDING_FREE) == "1":  # the collator flattens rows; attention keeps them apart
-            why_not = _padding_free_usable(self.model)
-            if why_not is None:
-                padding_free.use_on(self.model)
-            else:
-                os.environ[contract.PADDING_FREE] = "0"  # the data workers, forked later, read it
-                print(f"lfa: padding-free needs {why_not}: training padded", flush=True)
-        layers = _env_int(contract.CHECKPOINT_LAYERS)
-        if layers:
-            done = checkpoint_first_layers(self.model, layers)
-            print(
-                f"lfa: recompute: the first {done[0]} of {done[1]} decoder layers checkpointed, the rest keep "
-                "their activations"
-                if done
-                else "lfa: recompute of some layers needs transformers' GradientCheckpointingLayer with "
-                "checkpointing on: LLaMA-Factory's setting stays",
-                flush=True,
-            )
+        _set_up_model(self.model)
 
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
     trainer_class.get_batch_samples = get_batch_samples
     trainer_class.training_step = training_step
     if os.environ.get(contract.BENCH_SKIP_FINAL_SAVE) == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
-        original_save = trainer_class.save_model
+        _skip_final_save(trainer_class)
 
-        def save_model(self, output_dir=None, _internal_call=False):
-            if _internal_call:  # a checkpoint: keep
-                return original_save(self, output_dir, _internal_call)
-            print("lfa bench: final save skipped", flush=True)
 
-        trainer_class.save_model = save_model
+def _sorted_step_sampler(trainer, dataset):
+    """Length-sorted steps (LFA_SORTED_STEPS=1) where the rows' lengths are known, else None (LLaMA-Factory's own
+    sampler); records which one runs for the train_begin event. Token-budget steps are one batch per process per
+    step, so the sorted block is dealt round-robin to the processes."""
+    from lf_adapter.plugin import callbacks as lfa_callbacks
+    from lf_adapter.plugin.sampler import SortedStepSampler, row_lengths
+
+    budget = getattr(trainer, "_lfa_token_budget", 0)
+    if os.environ.get(contract.SORTED_STEPS) == "1" and not trainer.finetuning_args.disable_shuffling:
+        lengths = row_lengths(dataset)
+        if lengths is not None:
+            a = trainer.args
+            world = max(1, a.world_size)
+            block = a.per_device_train_batch_size * a.gradient_accumulation_steps * world
+            lfa_callbacks.SAMPLER["name"] = f"sorted_steps(block={block})" + (
+                f", token_budget({budget})" if budget else ""
+            )
+            seed = a.data_seed if a.data_seed is not None else a.seed
+            return SortedStepSampler(lengths, block, seed=seed, deal=world if budget else 1)
+    lfa_callbacks.SAMPLER["name"] = f"token_budget({budget})" if budget else "default"
+    return None
+
+
+def _set_up_model(model) -> None:
+    """Padding-free attention (LFA_PADDING_FREE=1) and recompute of the first k layers (LFA_CHECKPOINT_LAYERS) on
+    the model the trainer holds."""
+    from lf_adapter.plugin import padding_free
+
+    if os.environ.get(contract.PADDING_FREE) == "1":  # the collator flattens rows; attention keeps them apart
+        why_not = _padding_free_usable(model)
+        if why_not is None:
+            padding_free.use_on(model)
+        else:
+            os.environ[contract.PADDING_FREE] = "0"  # the data workers, forked later, read it
+            print(f"lfa: padding-free needs {why_not}: training padded", flush=True)
+    layers = _env_int(contract.CHECKPOINT_LAYERS)
+    if layers:
+        done = checkpoint_first_layers(model, layers)
+        print(
+            f"lfa: recompute: the first {done[0]} of {done[1]} decoder layers checkpointed, the rest keep "
+            "their activations"
+            if done
+            else "lfa: recompute of some layers needs transformers' GradientCheckpointingLayer with "
+            "checkpointing on: LLaMA-Factory's setting stays",
+            flush=True,
+        )
+
+
+def _skip_final_save(trainer_class) -> None:
+    original_save = trainer_class.save_model
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if _internal_call:  # a checkpoint: keep
+            return original_save(self, output_dir, _internal_call)
+        print("lfa bench: final save skipped", flush=True)
+
+    trainer_class.save_model = save_model
 
 
 def drop_right_padding_mask(batch) -> bool:
