@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from ..measured import OVER_PREDICTION, MeasuredPeak, card_key, now_iso, record_peak, shape_key
 from ..nvml_session import gpu_used_gib
@@ -94,6 +95,81 @@ class Launch:
     checkpoint: Path | None
 
 
+@dataclass
+class _Watch:
+    """One attempt's followers and what they have read so far: the log's new lines, the plugin's events and
+    trainer_log.jsonl, the progress state, the result, and when a stop was decided."""
+
+    setup: RunSetup
+    n: int
+    attempt: AttemptRecord | None
+    log_file: BinaryIO
+    watcher: TrainerLogWatcher
+    events: FileFollower
+    result: dict
+    events_reader: LineReader = field(default_factory=lambda: LineReader(tail=20))
+    state: dict = field(default_factory=dict)
+    probed_at: float = 0.0
+    detected_at: float | None = None
+
+    def stop(self, kind: str, why: str | None = None) -> None:
+        """Decide to stop the attempt (once): the kind the ledger records, a line for its log."""
+        if self.detected_at is not None:
+            return
+        self.detected_at = time.time()
+        if why:
+            self.log_file.write(f"lfa: {why}; stopping the attempt\n".encode())
+            self.log_file.flush()
+        self.result["live_stop"] = {"kind": kind, "detected_at": self.detected_at}
+
+    def classify(self, new_lines: list[str]) -> None:
+        """A failure class that stops at its first line (seen in the log as it is written)."""
+        if self.detected_at is None and new_lines:
+            live = classify(new_lines, None)
+            if live and failure_class(live.kind).stop_at_first_line:
+                self.stop(live.kind)
+
+    def follow_progress(self) -> None:
+        """The plugin's events, the GPU's memory every 2 s and trainer_log.jsonl's records into the progress line."""
+        reporter, state = self.setup.reporter, self.state
+        changed = _read_events(self.events, self.events_reader, state)
+        if changed and state.get("step"):  # the plugin's step event can precede trainer_log.jsonl's record
+            _note_step(self.result, state["step"], state.get("first_step"))
+        if time.time() - self.probed_at > 2.0:
+            state["gpu_used_gib"], self.probed_at, changed = gpu_used_gib(), time.time(), True
+        for record in self.watcher.poll():
+            step = record.get("current_steps")
+            if step is not None:
+                _note_step(self.result, step)
+                state.update(step=step, total=record.get("total_steps"))
+            state.update({k: record[k] for k in ("loss", "lr") if k in record})
+            if record.get("remaining_time"):
+                state["eta"] = record["remaining_time"]
+            reporter.progress(self.n, state, record)
+            changed = False
+        if changed:
+            reporter.progress(self.n, state, None)
+
+    def check_health(self) -> None:
+        """A peak above the prediction (a warning), a stalled or diverging loss (a warning, a stop when asked), a
+        non-finite loss or gradient norm in three consecutive logs (a stop)."""
+        setup, result, n = self.setup, self.result, self.n
+        if self.attempt is not None and "memory_warning" not in result:
+            warning = peak_above_prediction(setup, self.attempt, self.state)
+            if warning:
+                result["memory_warning"] = self.state["memory_warning"] = warning
+                setup.reporter.event("warning", f"[attempt {n}] lfa: {warning}", attempt=n, warning=warning)
+        vocab_size = setup.trained_model.vocab_size if setup.trained_model else None
+        stall = self.watcher.stalled(vocab_size) if "divergence_warning" not in result else None
+        if stall:
+            result["divergence_warning"] = stall
+            setup.reporter.event("warning", f"[attempt {n}] lfa: {stall}", attempt=n, warning=stall)
+            if setup.request.stop_on_divergence:
+                self.stop("loss_diverged", f"loss diverged: {stall}")
+        if self.watcher.diverged:
+            self.stop("nan_loss", "non-finite loss or grad_norm in 3 consecutive logs")
+
+
 def watch_attempt(
     setup: RunSetup,
     launch: Launch,
@@ -104,84 +180,40 @@ def watch_attempt(
 ) -> dict:
     """Start the trainer and follow it to its end: the progress line, the steps it made, a failure that ends it
     early (a NaN, a divergence, a class that cannot recover), its return code and the log's tail."""
-    n, command, env, cwd = launch.n, launch.command, launch.env, setup.recipe.folder
-    run_dir, output_dir, reporter = setup.run_dir, setup.output_dir, setup.reporter
-    vocab_size = setup.trained_model.vocab_size if setup.trained_model else None
-    stop_on_divergence = setup.request.stop_on_divergence
-    log_path = run_dir / f"attempt-{n}.log"
+    n, command, env = launch.n, launch.command, launch.env
+    log_path = setup.run_dir / f"attempt-{n}.log"
     events_path = Path(env[contract.EVENTS_FILE])
-    trainer_log = output_dir / "trainer_log.jsonl"
+    trainer_log = setup.output_dir / "trainer_log.jsonl"
     watcher = TrainerLogWatcher(trainer_log)
     watcher.follower.offset = trainer_log.stat().st_size if trainer_log.exists() else 0
     events = FileFollower(events_path)
     events.offset = events_path.stat().st_size if events_path.exists() else 0
-    events_reader, state = LineReader(tail=20), {}
     reader = LineReader()
-    probed_at = 0.0
     result = {"log": log_path.name, "first_step": None, "last_step": None, "live_stop": None}
     with log_path.open("ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
         log_file.flush()
+        watch = _Watch(setup, n, attempt, log_file, watcher, events, result)
         started = result["started_at"] = time.time()
-        process = start_process(command, cwd, env, log_file)
+        process = start_process(command, setup.recipe.folder, env, log_file)
         interrupted.update(
-            process=process, result=result, drain=lambda: _drain_steps(events, events_reader, watcher, result)
+            process=process, result=result, drain=lambda: _drain_steps(events, watch.events_reader, watcher, result)
         )
         on_start(process.pid)
         follower = FileFollower(log_path)
-        detected_at = None
         while True:
             done = process.poll() is not None
-            new_lines = reader.feed(follower.read_new())
-            if detected_at is None and new_lines:
-                live = classify(new_lines, None)
-                if live and failure_class(live.kind).stop_at_first_line:
-                    detected_at = time.time()
-                    result["live_stop"] = {"kind": live.kind, "detected_at": detected_at}
-            changed = _read_events(events, events_reader, state)
-            if changed and state.get("step"):  # the plugin's step event can precede trainer_log.jsonl's record
-                _note_step(result, state["step"], state.get("first_step"))
-            if time.time() - probed_at > 2.0:
-                state["gpu_used_gib"], probed_at, changed = gpu_used_gib(), time.time(), True
-            for record in watcher.poll():
-                step = record.get("current_steps")
-                if step is not None:
-                    _note_step(result, step)
-                    state.update(step=step, total=record.get("total_steps"))
-                state.update({k: record[k] for k in ("loss", "lr") if k in record})
-                if record.get("remaining_time"):
-                    state["eta"] = record["remaining_time"]
-                reporter.progress(n, state, record)
-                changed = False
-            if changed:
-                reporter.progress(n, state, None)
-            if attempt is not None and "memory_warning" not in result:
-                warning = peak_above_prediction(setup, attempt, state)
-                if warning:
-                    result["memory_warning"] = state["memory_warning"] = warning
-                    reporter.event("warning", f"[attempt {n}] lfa: {warning}", attempt=n, warning=warning)
-            stall = watcher.stalled(vocab_size) if "divergence_warning" not in result else None
-            if stall:
-                result["divergence_warning"] = stall
-                reporter.event("warning", f"[attempt {n}] lfa: {stall}", attempt=n, warning=stall)
-                if stop_on_divergence and detected_at is None:
-                    detected_at = time.time()
-                    log_file.write(f"lfa: loss diverged: {stall}; stopping the attempt\n".encode())
-                    log_file.flush()
-                    result["live_stop"] = {"kind": "loss_diverged", "detected_at": detected_at}
-            if watcher.diverged and detected_at is None:
-                detected_at = time.time()
-                log_file.write(b"lfa: non-finite loss or grad_norm in 3 consecutive logs; stopping the attempt\n")
-                log_file.flush()
-                result["live_stop"] = {"kind": "nan_loss", "detected_at": detected_at}
+            watch.classify(reader.feed(follower.read_new()))
+            watch.follow_progress()
+            watch.check_health()
             if done:
                 break
-            if detected_at is not None and time.time() - detected_at > 0.5:
+            if watch.detected_at is not None and time.time() - watch.detected_at > 0.5:
                 stop_group(process, grace_s=0.5)
                 break
             time.sleep(POLL_S)
         returncode = process.wait()
-        reporter.end_progress()
+        setup.reporter.end_progress()
         reader.feed(follower.read_new())
         reader.flush()
         watcher.poll()
