@@ -280,14 +280,7 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
     """Attempts until one succeeds, a failure cannot be retried, or the budget is spent: the exit code. Each attempt:
     prepare_launch, record_attempt, run_and_classify, then finish_success or decide_after_failure.
     start_process(command, cwd, env, log_file) -> Popen starts the trainer (launch.start; tests pass others)."""
-    request, run_dir, output_dir, ledger, reporter = (
-        setup.request,
-        setup.run_dir,
-        setup.output_dir,
-        setup.ledger,
-        setup.reporter,
-    )
-    save = setup.save
+    request, run_dir, ledger, reporter, save = setup.request, setup.run_dir, setup.ledger, setup.reporter, setup.save
     state = LoopState(setup.attempt)
     interrupted = {"process": None, "signal": None}
 
@@ -333,49 +326,9 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        last = ledger.last
-        finished = last is not None and last.returncode == 0  # the trainer had: only lfa's records are missing
-        if finished:
-            message = (
-                f"training finished (the model is in {output_dir}), but the disk is full "
-                f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
-                "lfa report to redraw them"
-            )
-        else:
-            message = (
-                f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
-                "train again, it resumes from the newest complete checkpoint"
-            )
-        ledger.status = "succeeded" if finished else "failed"
-        release_reserve(run_dir)  # the room held at the start: enough for the ledger
-        try:
-            save()
-        except OSError:
-            message += f" (the ledger in {run_dir} could not be updated either)"
-        if interrupted["process"] is not None:
-            stop_group(interrupted["process"], grace_s=5.0)
-        reporter.event("error", f"lfa: {message}", kind="disk_full")
-        return 0 if finished else 1
+        return _end_on_full_disk(setup, exc, interrupted)
     except KeyboardInterrupt:
-        ledger.status = "stopped"
-        last = ledger.last
-        if last is not None:
-            last.status = last.status or "stopped"
-            process = interrupted.get("process")  # set while an attempt runs: the signal came during it
-            if process is not None and interrupted.get("drain"):
-                interrupted["drain"]()
-            progress = interrupted.get("result") or {}
-            last.first_step = last.first_step if last.first_step is not None else progress.get("first_step")
-            last.last_step = last.last_step if last.last_step is not None else progress.get("last_step")
-            if last.returncode is None and process is not None:
-                last.returncode = process.poll()
-            last.ended_at = last.ended_at or time.time()
-            started = last.started_at or progress.get("started_at")
-            if last.duration_s is None and started:  # the wall time of a stopped attempt counts too
-                last.started_at, last.duration_s = started, round(last.ended_at - started, 2)
-        save()
-        reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
-        return 143 if interrupted["signal"] == signal.SIGTERM else 130  # 128 + the signal, as shells report it
+        return _end_on_stop(setup, interrupted)
     finally:
         reporter.end_progress()
         release_reserve(setup.run_dir)
@@ -383,6 +336,58 @@ def attempt_loop(setup: RunSetup, start_process=start) -> int:
             signal.signal(signum, handler)
         for lock in setup.locks:
             lock.close()
+
+
+def _end_on_full_disk(setup: RunSetup, exc: OSError, interrupted: dict) -> int:
+    """The disk filled up: the ledger says whether the training had finished; the trainer is stopped."""
+    ledger, run_dir = setup.ledger, setup.run_dir
+    last = ledger.last
+    finished = last is not None and last.returncode == 0  # the trainer had: only lfa's records are missing
+    if finished:
+        message = (
+            f"training finished (the model is in {setup.output_dir}), but the disk is full "
+            f"({exc.filename or run_dir}): lfa's records of the run may be incomplete; free space and run "
+            "lfa report to redraw them"
+        )
+    else:
+        message = (
+            f"the disk is full ({exc.filename or run_dir}): the run stops here; free space and run lfa "
+            "train again, it resumes from the newest complete checkpoint"
+        )
+    ledger.status = "succeeded" if finished else "failed"
+    release_reserve(run_dir)  # the room held at the start: enough for the ledger
+    try:
+        setup.save()
+    except OSError:
+        message += f" (the ledger in {run_dir} could not be updated either)"
+    if interrupted["process"] is not None:
+        stop_group(interrupted["process"], grace_s=5.0)
+    setup.reporter.event("error", f"lfa: {message}", kind="disk_full")
+    return 0 if finished else 1
+
+
+def _end_on_stop(setup: RunSetup, interrupted: dict) -> int:
+    """Ctrl-C or SIGTERM: the attempt that ran is recorded with the steps it made and its wall time."""
+    ledger = setup.ledger
+    ledger.status = "stopped"
+    last = ledger.last
+    if last is not None:
+        last.status = last.status or "stopped"
+        process = interrupted.get("process")  # set while an attempt runs: the signal came during it
+        if process is not None and interrupted.get("drain"):
+            interrupted["drain"]()
+        progress = interrupted.get("result") or {}
+        last.first_step = last.first_step if last.first_step is not None else progress.get("first_step")
+        last.last_step = last.last_step if last.last_step is not None else progress.get("last_step")
+        if last.returncode is None and process is not None:
+            last.returncode = process.poll()
+        last.ended_at = last.ended_at or time.time()
+        started = last.started_at or progress.get("started_at")
+        if last.duration_s is None and started:  # the wall time of a stopped attempt counts too
+            last.started_at, last.duration_s = started, round(last.ended_at - started, 2)
+    setup.save()
+    setup.reporter.event("stopped", "lfa: stopped; the trainer's process group was ended", signal=interrupted["signal"])
+    return 143 if interrupted["signal"] == signal.SIGTERM else 130  # 128 + the signal, as shells report it
 
 
 @dataclass
