@@ -330,9 +330,10 @@ def _autocast_recompute_phases(model: ModelSpec, plan: Plan, seq_len: int, state
 
 def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: float, tokens: int) -> dict[str, float]:
     """A 16-bit model (DeepSpeed, FSDP2: no autocast copies, so accumulation changes nothing). A checkpointed layer
-    keeps its 16-bit input. Layers without checkpointing keep their whole graph through the loss; when every layer
-    recomputes, the peak is either the loss or the first recompute, which finds the loss freed but for the lm_head's
-    gradient and the gradient flowing down (bench/results/memory_probe.json)."""
+    keeps its 16-bit input. Layers without checkpointing keep their whole graph through the loss; the peak is either
+    then (the end of the forward) or at the top checkpointed layer's recompute, which finds the loss and the layers
+    above freed but for the lm_head's gradient and the gradients flowing down (bench/results/memory_probe.json,
+    bench/README.md session 25)."""
     L, h, V = model.num_layers, model.hidden_size, model.vocab_size
     loss = _loss_bytes_16bit(model, plan, tokens)
     if not plan.gradient_checkpointing:

@@ -243,7 +243,7 @@ def candidate_plans(
     for (mbs, budget), gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
         shapes, [False, True], liger, attention, ds, packing, padding_free, optimizers
     ):
-        if budget and stage is not None:  # the plugin trains DeepSpeed's and FSDP's fixed micro-batches
+        if budget and not STRATEGIES[stage or Sharding.NONE.value].token_budget:  # an engine owns accumulation
             if pinned_budget and forbidden is not None:
                 forbidden.add(BUDGET_UNDER_ENGINE)
             continue

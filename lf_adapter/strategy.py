@@ -190,7 +190,7 @@ class Constraint:
 CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         "liger_with_zero3",
-        lambda p: p.liger and STRATEGIES[p.sharding].gathers_per_module,
+        lambda p: p.liger and p.strategy.gathers_per_module,
         "enable_liger_kernel with ZeRO-3: liger's fused cross-entropy reads lm_head.weight directly, which "
         "ZeRO-3 leaves sharded (size mismatch on the first step; huggingface/trl#3368, #5891)",
         "turn liger off or use ZeRO-2",
@@ -198,21 +198,21 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ),
     Constraint(
         "offload_needs_deepspeed",
-        lambda p: p.offload != Offload.NONE and STRATEGIES[p.sharding].engine != "deepspeed",
+        lambda p: p.offload != Offload.NONE and p.strategy.engine != "deepspeed",
         "offload is DeepSpeed's ZeRO-Offload (CPU Adam); lfa plans no FSDP2 CPU offload",
         "use ZeRO-2 (optimizer) or ZeRO-3 (all) for offload",
         "deepspeed",
     ),
     Constraint(
         "parameter_offload_needs_zero3",
-        lambda p: OFFLOADS[p.offload].parameters and p.offload not in STRATEGIES[p.sharding].offloads,
+        lambda p: OFFLOADS[p.offload].parameters and p.offload not in p.strategy.offloads,
         "parameters can only be offloaded when ZeRO-3 partitions them",
         "use ZeRO-3 or offload the optimizer only",
         "deepspeed",
     ),
     Constraint(
         "nvme_offload_needs_zero3",
-        lambda p: OFFLOADS[p.offload].device == "nvme" and p.offload not in STRATEGIES[p.sharding].offloads,
+        lambda p: OFFLOADS[p.offload].device == "nvme" and p.offload not in p.strategy.offloads,
         "DeepSpeed swaps optimizer states to NVMe only in ZeRO-3 (stage_1_and_2.py has no swapper; 0.19.8)",
         "use ZeRO-3 for NVMe offload",
         "deepspeed",
@@ -244,14 +244,14 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ),
     Constraint(
         "fsdp2_on_one_process",
-        lambda p: p.world_size < STRATEGIES[p.sharding].min_processes,
+        lambda p: p.world_size < p.strategy.min_processes,
         "FSDP2 on one process has nothing to shard it over",
         "use it with several GPUs, or no sharding",
         "deepspeed",
     ),
     Constraint(
         "fsdp2_with_ray",
-        lambda p: STRATEGIES[p.sharding].started_by == "accelerate" and p.launcher == Launcher.RAY,
+        lambda p: p.strategy.started_by == "accelerate" and p.launcher == Launcher.RAY,
         "LLaMA-Factory starts FSDP2 through `accelerate launch`, not through its Ray workers",
         "use the torchrun launcher",
         "deepspeed",

@@ -210,9 +210,7 @@ def _process_start_env(plan: Plan, master_port: int, master_addr: str | None) ->
     """How the training processes start: accelerate's rendezvous (FSDP2), Ray workers, or LLaMA-Factory's torchrun
     relaunch (DeepSpeed or several processes); nothing for one plain process."""
     env: list[LaunchEnv] = []
-    if (
-        plan.strategy.started_by == "accelerate"
-    ):  # accelerate launch starts the processes: rendezvous only, no torchrun relaunch
+    if plan.strategy.started_by == "accelerate":  # rendezvous only: accelerate launch starts the processes
         env += [
             LaunchEnv("NODE_RANK", "0", "this node's rank (accelerate --machine_rank)", keep_existing=True),
             LaunchEnv("MASTER_ADDR", master_addr or "127.0.0.1", "rendezvous host (node 0)", keep_existing=True),
