@@ -131,6 +131,12 @@ def test_a_pin_the_planner_never_proposes_is_refused_with_the_reason():
     spec, a100 = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2"), load_profile("a100-80g")
     with pytest.raises(UserError, match="does not plan ZeRO-1.*pin sharding=zero2"):
         plan(spec, a100, 64, 2048, PlanOptions(fixed={"sharding": "zero1"}))
+    from lf_adapter.recipe.generate import parse_pins
+
+    with pytest.raises(UserError, match="deepspeed=zero1: lfa does not plan ZeRO-1.*use zero2, zero3 or none"):
+        parse_pins(("deepspeed=zero1",))
+    with pytest.raises(UserError, match="deepspeed=zero9: use zero2, zero3 or none"):
+        parse_pins(("deepspeed=zero9",))
     budget_under_zero3 = PlanOptions(fixed={"sharding": "zero3", "token_budget": 8192})
     with pytest.raises(UserError, match="token_budget under DeepSpeed or FSDP"):
         plan(spec, a100, 64, 2048, budget_under_zero3)

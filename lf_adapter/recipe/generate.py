@@ -190,7 +190,9 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         raise UserError("--pin checkpoint_layers needs gradient checkpointing (not gradient_checkpointing=false)")
     stages = [name for name, s in STRATEGIES.items() if s.engine == "deepspeed" and s.proposed != "never"]
     if fixed.get("deepspeed") not in (None, *stages):
-        raise UserError(f"--pin deepspeed={fixed['deepspeed']}: use {', '.join(stages)} or none")
+        record = STRATEGIES.get(str(fixed["deepspeed"]))
+        why = f"{record.not_proposed_why}; " if record and record.not_proposed_why else ""
+        raise UserError(f"--pin deepspeed={fixed['deepspeed']}: {why}use {', '.join(stages)} or none")
     if "sharding" in fixed:
         try:
             Sharding.parse(fixed["sharding"], "--pin sharding")
