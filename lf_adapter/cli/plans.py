@@ -185,13 +185,7 @@ def generate(
     from ..recipe.render import write_recipe_dir
 
     if check:
-        from ..recipe.goldens import check_goldens
-
-        drift = check_goldens(Path(out_dir or "recipes"))
-        for line in drift:
-            click.echo(line)
-        click.echo("golden recipes: " + ("DRIFT" if drift else "up to date"))
-        sys.exit(1 if drift else 0)
+        _check_goldens(Path(out_dir or "recipes"))
     if not task:
         raise click.UsageError("--task is required (or --check)")
     if effective_batch is not None:
@@ -228,23 +222,43 @@ def generate(
     gen = run_generate(request)
     written = write_recipe_dir(gen.files, out, force=force)
     if as_json:
-        c = gen.result.chosen
-        click.echo(
-            json.dumps(
-                {
-                    "files": [str(p) for p in written],
-                    "plan": c.plan.label(),
-                    "reasons": c.plan.reasons,
-                    "memory": c.memory.to_dict(),
-                    "host": c.host.to_dict(),
-                    "disk_gib": round(c.disk_gib, 1),
-                    "predicted_tokens_per_s": c.tokens_per_s,
-                    "machine_options": gen.listing,
-                },
-                indent=2,
-            )
+        _echo_generated_json(gen, written)
+    else:
+        _echo_generated(gen, written, report_to)
+
+
+def _check_goldens(root: Path) -> None:
+    """`lfa generate --check`: every golden recipe regenerated and compared; exits 1 on drift."""
+    from ..recipe.goldens import check_goldens
+
+    drift = check_goldens(root)
+    for line in drift:
+        click.echo(line)
+    click.echo("golden recipes: " + ("DRIFT" if drift else "up to date"))
+    sys.exit(1 if drift else 0)
+
+
+def _echo_generated_json(gen, written: list[Path]) -> None:
+    c = gen.result.chosen
+    click.echo(
+        json.dumps(
+            {
+                "files": [str(p) for p in written],
+                "plan": c.plan.label(),
+                "reasons": c.plan.reasons,
+                "memory": c.memory.to_dict(),
+                "host": c.host.to_dict(),
+                "disk_gib": round(c.disk_gib, 1),
+                "predicted_tokens_per_s": c.tokens_per_s,
+                "machine_options": gen.listing,
+            },
+            indent=2,
         )
-        return
+    )
+
+
+def _echo_generated(gen, written: list[Path], report_to: str) -> None:
+    """The plan, what else runs here, the data report, the files written and a missing tracker package."""
     print_plan(gen.result, gen.model, gen.hardware)
     if gen.memory_note:
         click.echo(f"memory model: {gen.memory_note}")
