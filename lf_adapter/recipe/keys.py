@@ -102,8 +102,9 @@ def plan_from_keys(
     FSDP2 and lfa's plugin settings (sorted steps, allocator, launcher) come from the lfa-meta header."""
     stage, offload = deepspeed
     flash_attn = str(data.get("flash_attn", "auto"))
+    checkpointing = not truthy(data.get("disable_gradient_checkpointing", False))
     plugin = {setting.field: setting.read(meta) for setting in PLUGIN_SETTINGS}
-    if truthy(data.get("disable_gradient_checkpointing", False)):
+    if not checkpointing:
         plugin["checkpoint_layers"] = None  # the header's, when a hand edit has turned checkpointing off since
     return Plan(
         precision=precision_from_keys(data),
@@ -112,7 +113,7 @@ def plan_from_keys(
         world_size=hardware.world_size,
         nodes=hardware.nodes,
         on_cpu=not hardware.has_gpu,
-        gradient_checkpointing=not truthy(data.get("disable_gradient_checkpointing", False)),
+        gradient_checkpointing=checkpointing,
         liger=truthy(data.get("enable_liger_kernel", False)),
         attention=ATTENTION_FROM_LF.get(flash_attn, flash_attn),
         sharding=stage or _header_sharding(meta),

@@ -16,7 +16,7 @@ from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..recipe.read import Recipe, launch_script, nvme_swap_folders
-from ..strategy import CONSTRAINTS, SHARDING_OF_STAGE, STRATEGIES, Offload, violations
+from ..strategy import CONSTRAINTS, Offload, violations
 from ..tasks import TaskSpec, chat_template_files, load_task, task_files
 from .findings import Finding, raw_scalars
 from .lf_checks import installed_version, llamafactory_templates, version_keys, version_matches
@@ -169,10 +169,9 @@ def deepspeed_config(c: RuleContext) -> None:
             "error", "deepspeed_config", f"DeepSpeed config {d['deepspeed']} cannot be read: {exc}{beside}", "deepspeed"
         )
         return
-    zero = ds.get("zero_optimization", {})
     kwargs = d.get("lr_scheduler_kwargs")
-    stage = SHARDING_OF_STAGE.get(int(zero["stage"])) if str(zero.get("stage", "")).isdigit() else None
-    if stage and STRATEGIES[stage].min_lr_as_rate and isinstance(kwargs, dict) and "min_lr" in kwargs:
+    # c.plan's sharding was read from this same file (review/core.py deepspeed_setup)
+    if c.plan.strategy.min_lr_as_rate and isinstance(kwargs, dict) and "min_lr" in kwargs:
         c.add(
             "error",
             "zero3_min_lr",
