@@ -85,7 +85,27 @@ GENERATED = {
     "h200_zero2_offload": ("h200", ["--pin", "deepspeed=zero2", "--pin", "offload=optimizer"], [], False),
     "h200_zero3": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=none"], [], False),
     "h200_zero3_offload": ("h200", ["--pin", "deepspeed=zero3", "--pin", "offload=all"], [], False),
+    # bf16 weights in the model, fp32 masters in the optimizer: the planner's plan, and the default plan's shape
+    # (pinned from the row of `h200` in the same table) with master weights on
+    "h200_master": ("h200", ["--pin", "master_weights=true"], [], False),
+    "h200_master_same": ("h200", ["--pin", "master_weights=true"], [], False),
 }
+SAME_PLAN_AS = {"h200_master_same": "h200"}  # label -> the label whose measured plan it pins
+
+
+def pins_of_plan(label: str) -> list[str]:
+    """`lfa generate` pins that rebuild a plan label's shape (e.g. bf16/mbs8xga8x1/nogc/liger/sdpa/tb16384)."""
+    parts = label.split("/")
+    mbs = re.fullmatch(r"mbs(\d+)xga\d+x\d+", parts[1])
+    pins = [f"micro_batch_size={mbs[1]}", f"liger={'liger' in parts}", f"padding_free={'padfree' in parts}"]
+    pins.append(f"attention={next(a for a in ('sdpa', 'fa2', 'fa3', 'eager') if a in parts)}")
+    recompute = parts[2]
+    pins.append(f"gradient_checkpointing={recompute != 'nogc'}")
+    if recompute.startswith("gc") and recompute != "gc":
+        pins.append(f"checkpoint_layers={recompute[2:]}")
+    budget = next((x[2:] for x in parts if re.fullmatch(r"tb\d+", x)), "0")
+    pins.append(f"token_budget={budget}")
+    return [x for pin in pins for x in ("--pin", pin)]
 
 
 def build_assets(assets: Path, model_dir: str) -> None:
@@ -252,8 +272,13 @@ def run_generated(
     model_dir: str = "model",
     key: str | None = None,
     kernel_profile: bool = False,
+    whole_profile: str = "h200",
+    same_plan: str | None = None,
 ) -> dict:
     profile, gen_args, train_sets, _ = GENERATED[label]
+    profile = whole_profile if profile == "h200" else profile
+    if same_plan:
+        gen_args = [*gen_args, *pins_of_plan(same_plan)]
     key = key or label
     if kernel_profile:  # the last step, left out of the steady state
         env = {**env, "LFA_KERNEL_PROFILE": "1", "LFA_COMM_PROFILE_STEPS": f"{steps}-{steps}"}
@@ -359,6 +384,7 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--repeats", type=int, default=1, help="alternate seed_fix and capped this many times")
     parser.add_argument("--profile", action="store_true", help="kernel profile of each lfa plan's last step")
+    parser.add_argument("--whole-profile", default="h200", help="the hardware profile of the whole-card runs (h100)")
     parser.add_argument(
         "--model-dir",
         default="model",
@@ -393,9 +419,15 @@ def main() -> None:
         else:
             env = capped_env if GENERATED[name][3] else base_env
             key = name + suffix + entry[len(name) :]
+            same = SAME_PLAN_AS.get(name)
+            same_plan = (table.get(same + suffix) or {}).get("plan") if same else None
+            if same and not same_plan:
+                print(f"BENCH {key} skipped: no row of {same + suffix} to take its plan from", flush=True)
+                continue
             table[key] = run_generated(
-                name, work, args.assets, args.out, env, spec, args.steps, args.model_dir, key, args.profile
-            )
+                name, work, args.assets, args.out, env, spec, args.steps, args.model_dir, key, args.profile,
+                args.whole_profile, same_plan,
+            )  # fmt: skip
         print(
             f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}", flush=True
         )

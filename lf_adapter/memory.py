@@ -98,6 +98,13 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
             "active block (one layer): fp32 copy + Adam m, v": 12.0 * block,
             "active block: gradients in the model's dtype": stored * block,
         }
+    if plan.master_weights:  # lfa's plugin: the optimizer holds the fp32 masters, their gradients and Adam's m, v
+        return {
+            "weights (bf16, in the model)": 2.0 * p,
+            "fp32 master weights (optimizer)": 4.0 * p,
+            "gradients (fp32, the masters')": 4.0 * p,
+            "optimizer (Adam m, v fp32)": 8.0 * p,
+        }
     # LLaMA-Factory upcasts trainable params to fp32 for full tuning (no pure_bf16): fp32 weights and grads
     states = {"weights (fp32)": 4.0 * p, "gradients (fp32)": 4.0 * p}
     if plan.optimizer == Optimizer.ADAMW_8BIT:
@@ -361,7 +368,8 @@ def _loss_bytes_16bit(model: ModelSpec, plan: Plan, tokens: int) -> float:
     h, V = model.hidden_size, model.vocab_size
     if not plan.liger:
         return coefficients()["logits"]["bytes_per_element"] * tokens * V
-    return 2.0 * V * h + 2.0 * tokens * h + 2.0 * liger_loss_chunk_rows(model, tokens) * V
+    lm_head_gradient = 4.0 if plan.master_weights else 2.0  # the plugin has liger sum it in fp32 (accum_dtype)
+    return lm_head_gradient * V * h + 2.0 * tokens * h + 2.0 * liger_loss_chunk_rows(model, tokens) * V
 
 
 def _liger_loss_bytes(model: ModelSpec, plan: Plan, tokens: int) -> float:

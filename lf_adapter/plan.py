@@ -48,6 +48,9 @@ class Plan:
     # with gradient checkpointing: how many decoder layers are checkpointed, the first k of L (lfa plugin,
     # LFA_CHECKPOINT_LAYERS); None: all of them (LLaMA-Factory's own setting, what runs without the plugin)
     checkpoint_layers: int | None = None
+    # bf16 weights in the model, fp32 master weights and gradients in the optimizer (lfa plugin, LFA_MASTER_WEIGHTS):
+    # no autocast casts of the weights per micro-batch, a bf16 residual stream; False: fp32 weights under autocast
+    master_weights: bool = False
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)
     reasons: dict = field(default_factory=dict, compare=False, hash=False)
@@ -89,8 +92,9 @@ class Plan:
 
     @property
     def sixteen_bit_model(self) -> bool:
-        """The model's weights are 16-bit (DeepSpeed, FSDP2's mixed precision, BAdam), not fp32 under autocast."""
-        return self.strategy.sixteen_bit_model or self.optimizer == Optimizer.BADAM
+        """The model's weights are 16-bit (DeepSpeed, FSDP2's mixed precision, BAdam, master weights), not fp32 under
+        autocast."""
+        return self.strategy.sixteen_bit_model or self.optimizer == Optimizer.BADAM or self.master_weights
 
     @property
     def deepspeed_stage(self) -> int | None:
@@ -194,6 +198,8 @@ class Plan:
             parts.append(self.optimizer)
         if self.packing:
             parts.append("packing")
+        if self.master_weights:
+            parts.append("master")
         if self.padding_free:
             parts.append("padfree")
         if self.sorted_steps:

@@ -271,6 +271,7 @@ def candidate_plans(
             alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
             launcher=options.launcher,
             optimizer=optimizer,
+            master_weights=bool(options.fixed.get("master_weights", False)),  # pinned only until measured
         )
         if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             continue

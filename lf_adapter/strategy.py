@@ -236,6 +236,15 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         "use_badam",
     ),
     Constraint(
+        "master_weights_needs_bf16_one_process",
+        lambda p: p.master_weights and (p.precision != "bf16" or p.distributed or p.optimizer != Optimizer.ADAMW),
+        "master weights (bf16 model, fp32 masters in lfa's plugin) run in bf16 on one process without DeepSpeed, "
+        "with AdamW: fp16 keeps autocast's fp32 residual stream against overflow, DeepSpeed keeps its own masters, "
+        "DDP reduces the model's own gradients",
+        "drop the master_weights pin, or train bf16 on one GPU",
+        "bf16",
+    ),
+    Constraint(
         "padding_free_with_packing",
         lambda p: p.padding_free and p.packing,
         "packing already leaves no padding (and mixes rows); padding-free keeps rows apart without it",

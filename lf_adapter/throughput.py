@@ -11,6 +11,11 @@ from .model_spec import ModelSpec
 from .plan import Plan
 from .strategy import Offload, Optimizer
 
+# master weights (lfa plugin), by construction: each micro-batch adds the 16-bit weight gradients into the fp32
+# masters' (read 2 + 4 bytes, write 4); each step copies the masters back into the 16-bit model (read 4, write 2)
+MASTER_ACCUMULATE_BYTES_PER_PARAM = 10.0
+MASTER_COPY_BACK_BYTES_PER_PARAM = 6.0
+
 
 def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> float:
     """What an optimizer step costs once, after its micro-batches: the Adam update, NVMe or CPU offload and the
@@ -20,6 +25,8 @@ def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) ->
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     updated = badam_block_params(model) if plan.optimizer == Optimizer.BADAM else partition  # BAdam steps one block
     seconds = t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    if plan.master_weights:
+        seconds += MASTER_COPY_BACK_BYTES_PER_PARAM * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
     if plan.offloads_to_nvme:
         seconds += nvme_step_s(model, plan, hardware)
     if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up
@@ -86,7 +93,9 @@ def predict_tokens_per_s(
         gpu_s += fused_loss_walk_s(model, plan, padded_tokens, rate, gpu.hbm_tbps)
     elif plan.precision != "fp32":
         gpu_s += unfused_loss_walk_s(model, padded_tokens, gpu.hbm_tbps)
-    if not plan.deepspeed and plan.precision != "fp32" and not badam:
+    if plan.master_weights:
+        gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    elif not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
         gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / (max(gpu.hbm_tbps, 0.5) * 1e12)

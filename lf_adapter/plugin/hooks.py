@@ -165,9 +165,10 @@ def _padding_free_usable(model) -> str | None:
 
 def _patch_sft_trainer(trainer_module) -> None:
     """Length-sorted steps (LFA_SORTED_STEPS=1), padding-free attention (LFA_PADDING_FREE=1), token-budget
-    micro-batches (LFA_TOKEN_BUDGET), recompute of k layers (LFA_CHECKPOINT_LAYERS) and per-step token counts for
-    lfa's events."""
+    micro-batches (LFA_TOKEN_BUDGET), recompute of k layers (LFA_CHECKPOINT_LAYERS), master weights
+    (LFA_MASTER_WEIGHTS) and per-step token counts for lfa's events."""
     from lf_adapter.plugin import callbacks as lfa_callbacks
+    from lf_adapter.plugin import master_weights
     from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_rows, split_step
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
@@ -212,11 +213,13 @@ def _patch_sft_trainer(trainer_module) -> None:
         _step_batches(self, kwargs.get("args"))
         original_init(self, *args, **kwargs)
         _set_up_model(self.model)
+        master_weights.set_up(self)
 
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
     trainer_class.get_batch_samples = get_batch_samples
     trainer_class.training_step = training_step
+    master_weights.patch_trainer(trainer_class)
     if os.environ.get(contract.BENCH_SKIP_FINAL_SAVE) == "1":  # benchmarks only: a 1.3B fp32 save fills small disks
         _skip_final_save(trainer_class)
 

@@ -46,6 +46,7 @@ RESULT_KEYS = [
 ]
 # what is trained: the optimizer and every key an optimizer sets (BAdam's, 8-bit AdamW's)
 RESULT_KEYS += ["optimizer"] + sorted({k for keys in OPTIMIZER_KEYS.values() for k in keys} - set(RESULT_KEYS))
+RESULT_KEYS += [setting.diff_key for setting in PLUGIN_SETTINGS if setting.changes_results]
 # Keys that change speed or memory but not the result (given the same effective batch).
 SPEED_KEYS = [
     "per_device_train_batch_size",
@@ -56,7 +57,7 @@ SPEED_KEYS = [
     "disable_gradient_checkpointing",
     "enable_liger_kernel",
     "flash_attn",
-    *(setting.diff_key for setting in PLUGIN_SETTINGS),
+    *(setting.diff_key for setting in PLUGIN_SETTINGS if not setting.changes_results),
     "lfa_alloc_conf",
     "preprocessing_num_workers",
     "dataloader_num_workers",

@@ -143,6 +143,7 @@ class PluginSetting:
     why: str  # launch.sh's comment
     default: bool | int | None = False  # the plan's value when the header does not carry the field
     always_in_header: bool = False
+    changes_results: bool = False  # `lfa diff` files it with the keys that change what is learned (numerics)
 
     @property
     def diff_key(self) -> str:
@@ -182,6 +183,13 @@ PLUGIN_SETTINGS = (
         contract.CHECKPOINT_LAYERS,
         "lfa plugin: only the first layers recompute their forward; the rest keep their activations",
         default=None,
+    ),
+    PluginSetting(
+        "master_weights",
+        contract.MASTER_WEIGHTS,
+        "lfa plugin: bf16 weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch "
+        "weight casts)",
+        changes_results=True,  # the residual stream is bf16 instead of autocast's fp32
     ),
     PluginSetting(
         "sorted_steps",

@@ -1,0 +1,172 @@
+"""16-bit weights in the model, fp32 master weights in the optimizer (LFA_MASTER_WEIGHTS=1; bf16, one process,
+no DeepSpeed or FSDP). LLaMA-Factory upcasts a full fine-tune to fp32 and trains under autocast, which casts every
+weight to bf16 again in each micro-batch's forward (and recompute) and keeps the residual stream in fp32. Here the
+model holds bf16 weights; each fp32 weight becomes the optimizer's master, each micro-batch's bf16 gradient is added
+into the master's fp32 gradient as soon as autograd has it (then freed), clipping and AdamW run on the masters, and
+the step copies them back into the model. LLaMA-Factory's pure_bf16 is not this: it has no fp32 master. Checkpoints
+and the final model are saved from the masters (fp32, as without this), and a resume loads them back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from . import contract
+
+
+def why_not(trainer) -> str | None:
+    """Why master weights cannot run in this trainer (None: they can)."""
+    args = trainer.args
+    if not args.bf16:
+        return "bf16 training (fp16 keeps autocast's fp32 residual stream, which guards against overflow)"
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        return "a plain process: DeepSpeed and FSDP keep their own master weights"
+    if args.world_size > 1:
+        return "one process (DDP reduces the model's own gradients)"
+    return None
+
+
+class MasterWeights:
+    """The model's trainable parameters (bf16 now) paired with their fp32 masters."""
+
+    def __init__(self, model):
+        import torch
+
+        self.pairs = []
+        seen = set()
+        for param in model.parameters():
+            if not param.requires_grad or id(param) in seen or param.dtype != torch.float32:
+                continue
+            seen.add(id(param))  # tied weights are one parameter: one master
+            master = torch.nn.Parameter(param.data, requires_grad=True)  # the fp32 storage moves, no copy
+            param.data = param.data.to(torch.bfloat16)
+            param.register_post_accumulate_grad_hook(_accumulate_into(master))
+            self.pairs.append((param, master))
+        self.master_of = {id(param): master for param, master in self.pairs}
+
+    @property
+    def masters(self) -> list:
+        return [master for _, master in self.pairs]
+
+    def take_over(self, optimizer) -> None:
+        """Point the optimizer (built over the model's parameters, no state yet) at the masters; its step copies
+        them back into the model and clears their gradients (the trainer zeroes the model's, which have none)."""
+        for group in optimizer.param_groups:
+            group["params"] = [self.master_of.get(id(p), p) for p in group["params"]]
+        original_step = optimizer.step
+
+        def step(*args, **kwargs):
+            result = original_step(*args, **kwargs)
+            self.copy_to_model()
+            for master in self.masters:
+                master.grad = None
+            return result
+
+        optimizer.step = step
+
+    def copy_to_model(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_copy_([p for p, _ in self.pairs], self.masters)
+
+    @contextlib.contextmanager
+    def masters_in_model(self):
+        """The model holds the fp32 masters themselves while saving or loading a checkpoint (a load copies into
+        them in place), then bf16 copies again."""
+        import torch
+
+        for param, master in self.pairs:
+            param.data = master.data
+        try:
+            yield
+        finally:
+            for param, master in self.pairs:
+                param.data = master.data.to(torch.bfloat16)
+
+
+def _accumulate_into(master):
+    import torch
+
+    def hook(param) -> None:
+        if master.grad is None:
+            master.grad = param.grad.to(torch.float32)
+        else:
+            master.grad.add_(param.grad)
+        param.grad = None
+
+    return hook
+
+
+def _fp32_lm_head_gradient() -> None:
+    """Liger's fused linear cross-entropy sums the lm_head's gradient over its chunks in the weight's dtype unless
+    told otherwise: fp32, as over fp32 weights."""
+    try:
+        from liger_kernel.transformers.model import loss_utils
+    except ImportError:
+        return
+    original = loss_utils.fixed_fused_linear_cross_entropy
+    if getattr(original, "_lfa_fp32_accumulation", False):
+        return
+    import torch
+
+    def fixed_fused_linear_cross_entropy(*args, accum_dtype=None, **kwargs):
+        return original(*args, accum_dtype=accum_dtype or torch.float32, **kwargs)
+
+    fixed_fused_linear_cross_entropy._lfa_fp32_accumulation = True
+    loss_utils.fixed_fused_linear_cross_entropy = fixed_fused_linear_cross_entropy
+
+
+def set_up(trainer) -> None:
+    """After the Trainer is built (the model on its device): master weights where LFA_MASTER_WEIGHTS=1 asks and
+    they can run, else the autocast path with a message."""
+    if os.environ.get(contract.MASTER_WEIGHTS) != "1":
+        return
+    reason = why_not(trainer)
+    if reason:
+        os.environ[contract.MASTER_WEIGHTS] = "0"
+        print(f"lfa: master weights need {reason}: training fp32 weights under autocast", flush=True)
+        return
+    trainer._lfa_master_weights = weights = MasterWeights(trainer.model)
+    _fp32_lm_head_gradient()
+    accelerator = trainer.accelerator
+    original_clip = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):  # the trainer passes the model's: the masters have them
+        return original_clip(weights.masters, max_norm, norm_type=norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    print(
+        f"lfa: master weights: {len(weights.pairs)} bf16 weights in the model, their fp32 masters and fp32 "
+        "gradients in the optimizer",
+        flush=True,
+    )
+
+
+def patch_trainer(trainer_class) -> None:
+    """The optimizer over the masters; saves and loads through them."""
+    original_create = trainer_class.create_optimizer
+    original_save = trainer_class._save
+    original_load = trainer_class._load_from_checkpoint
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = original_create(self, *args, **kwargs)
+        weights = getattr(self, "_lfa_master_weights", None)
+        if weights is not None and not getattr(optimizer, "_lfa_masters", False):
+            weights.take_over(optimizer)
+            optimizer._lfa_masters = True
+        return optimizer
+
+    def _save(self, output_dir=None, state_dict=None):
+        weights = getattr(self, "_lfa_master_weights", None)
+        with contextlib.nullcontext() if weights is None or state_dict is not None else weights.masters_in_model():
+            return original_save(self, output_dir, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        weights = getattr(self, "_lfa_master_weights", None)
+        with contextlib.nullcontext() if weights is None else weights.masters_in_model():
+            return original_load(self, resume_from_checkpoint, model)
+
+    trainer_class.create_optimizer = create_optimizer
+    trainer_class._save = _save
+    trainer_class._load_from_checkpoint = _load_from_checkpoint

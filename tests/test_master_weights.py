@@ -1,0 +1,141 @@
+"""Master weights (lfa plugin, LFA_MASTER_WEIGHTS=1): the model trains bf16 weights, the optimizer fp32 masters. Each
+optimizer step's master gradient is the fp32 sum of the micro-batches' bf16 gradients, AdamW steps the masters as it
+would step fp32 weights with those gradients, the model gets their bf16 rounding, and checkpoints hold the masters."""
+
+import copy
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from test_padding_free import _padded_batch, _tiny_model  # noqa: E402
+
+from conftest import _ledger, run_lfa  # noqa: E402
+from lf_adapter.plugin.master_weights import MasterWeights  # noqa: E402
+
+
+def _micro_batches():
+    return [_padded_batch(lengths) for lengths in ([9, 5, 7], [11, 4], [6, 6, 8])]
+
+
+def test_master_gradients_are_the_fp32_sum_of_the_micro_batches_bf16_gradients():
+    model = _tiny_model()
+    fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = MasterWeights(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for (name, param), master in zip(model.named_parameters(), weights.masters):
+        assert master.dtype == torch.float32 and torch.equal(master, fp32_weights[name])  # nothing rounded away
+        assert torch.equal(param, fp32_weights[name].to(torch.bfloat16))
+    reference = copy.deepcopy(model)  # the same bf16 model without the hooks
+    expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in reference.named_parameters()}
+    for batch in _micro_batches():
+        model(**batch).loss.backward()
+        reference.zero_grad()
+        reference(**batch).loss.backward()
+        for n, p in reference.named_parameters():
+            expected[n] += p.grad.float()
+    assert all(p.grad is None for p in model.parameters())  # the bf16 gradients are freed as they are added
+    for (name, _), master in zip(model.named_parameters(), weights.masters):
+        assert master.grad.dtype == torch.float32
+        assert torch.equal(master.grad, expected[name]), name
+
+
+def test_the_optimizer_steps_the_masters_and_the_model_gets_their_bf16_rounding():
+    model = _tiny_model()
+    weights = MasterWeights(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    weights.take_over(optimizer)
+    for batch in _micro_batches():
+        model(**batch).loss.backward()
+    fp32 = [torch.nn.Parameter(m.detach().clone()) for m in weights.masters]
+    for p, m in zip(fp32, weights.masters):
+        p.grad = m.grad.clone()
+    reference = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
+    optimizer.step()
+    reference.step()
+    for master, expected in zip(weights.masters, fp32):
+        assert torch.equal(master, expected)
+        assert master.grad is None  # cleared for the next step's accumulation
+    for param, master in weights.pairs:
+        assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
+
+
+def test_checkpoints_save_and_load_the_fp32_masters():
+    model = _tiny_model()
+    weights = MasterWeights(model)
+    with weights.masters_in_model():
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    loaded = {k: v + 1e-3 for k, v in state.items()}  # a checkpoint whose values bf16 cannot hold
+    with weights.masters_in_model():
+        model.load_state_dict(loaded)
+    for (name, param), master in zip(model.named_parameters(), weights.masters):
+        assert torch.equal(master, loaded[name])
+        assert param.dtype == torch.bfloat16 and torch.equal(param, loaded[name].to(torch.bfloat16))
+
+
+def _train(tmp_path, demo_assets, name, *extra):
+    model, data = demo_assets
+    out = tmp_path / name
+    result = run_lfa(
+        "generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", "cpu",
+        "--precision", "bf16", "--pin", "micro_batch_size=2", "--set", "effective_batch_size=8",
+        "--set", "learning_rate=1.0e-3", "--set", "cutoff_len=256", "--set", "max_steps=4",
+        "--save-steps", "2", "--logging-steps", "1", *extra, "-o", out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    result = run_lfa("train", out / "train.yaml", "--run-dir", out / "run")
+    return out, result
+
+
+def _logged(out, key):
+    events = [json.loads(line) for line in (out / "run" / "events.jsonl").read_text().splitlines()]
+    return {e["global_step"]: e[key] for e in events if e.get("event") == "log" and key in e}
+
+
+def test_a_recipe_with_master_weights_trains_as_the_autocast_recipe_does(tmp_path, demo_assets):
+    """Through the real llamafactory-cli on the CPU in bf16: the plugin turns master weights on, the losses and
+    gradient norms follow the autocast run's (bf16 residual stream: close, not equal), the saved model is fp32."""
+    from safetensors import safe_open
+
+    master, result = _train(tmp_path, demo_assets, "master", "--pin", "master_weights=true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "export LFA_MASTER_WEIGHTS=1" in (master / "launch.sh").read_text()
+    log = (master / "run" / _ledger(master / "run")["attempts"][0]["log"]).read_text()
+    assert "lfa: master weights:" in log
+    autocast, result = _train(tmp_path, demo_assets, "autocast")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for key, tolerance in (("loss", 1e-3), ("grad_norm", 1e-2)):
+        ours, theirs = _logged(master, key), _logged(autocast, key)
+        assert sorted(ours) == [1, 2, 3, 4]
+        assert all(abs(ours[s] - theirs[s]) <= tolerance * abs(theirs[s]) for s in ours), (key, ours, theirs)
+    with safe_open(str(master / "saves" / "pseudo2norm" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
+def test_master_weights_are_refused_where_they_cannot_run(tmp_path, demo_assets):
+    model, data = demo_assets
+    result = run_lfa(
+        "generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", "cpu",
+        "--pin", "master_weights=true", "-o", tmp_path / "fp32",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "master_weights_needs_bf16_one_process" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_a_resumed_run_loads_the_fp32_masters_and_trains_the_same_steps(tmp_path, demo_assets):
+    out, result = _train(tmp_path, demo_assets, "master", "--pin", "master_weights=true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checkpoint = out / "saves" / "pseudo2norm" / "checkpoint-2"
+    resumed = run_lfa(
+        "train", out / "train.yaml", "--run-dir", out / "resumed", "--set", f"resume_from_checkpoint={checkpoint}",
+        "--set", "output_dir=saves/resumed",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    events = [json.loads(line) for line in (out / "resumed" / "events.jsonl").read_text().splitlines()]
+    again = {e["global_step"]: e["loss"] for e in events if e.get("event") == "log" and "loss" in e}
+    assert sorted(again) == [3, 4]
+    first = _logged(out, "loss")
+    assert all(again[s] == first[s] for s in again), (again, first)  # bf16-rounded masters would drift
