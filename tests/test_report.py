@@ -281,3 +281,24 @@ def test_the_loss_plateau_is_found_and_a_previous_run_of_the_recipe_is_compared(
     lines = "\n".join(summary_lines(collect(runs / "later"), None))
     assert "previous run earlier of this recipe: final loss 2.6000 at step 8" in lines
     assert "previous run" not in "\n".join(summary_lines(collect(runs / "earlier"), None))
+
+
+def test_a_kernel_profile_reaches_the_summary_and_the_page(tmp_path, cpu_recipe):
+    """lfa train --kernel-profile through the real trainer on the CPU (operators there, kernels on a GPU); a run
+    without it says how to get one."""
+    recipe = cpu_recipe("max_steps=5", "logging_steps=1", "output_dir=saves/profiled")
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "profiled", "--kernel-profile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    event = next(
+        json.loads(line)
+        for line in (tmp_path / "profiled" / "events.jsonl").read_text().splitlines()
+        if '"kernels"' in line
+    )
+    assert event["device"] == "cpu" and (event["first_step"], event["last_step"]) == (3, 4)
+    assert event["kinds_s"]["GEMMs"] > 0 and event["kinds_s"]["attention"] > 0
+    assert sum(event["kinds_s"].values()) <= event["window_s"] * 1.01  # operators counted once, not nested
+    assert "  profile      steps 3-4 of attempt 1 (CPU operators): " in result.stdout
+    page = (tmp_path / "profiled" / "report.html").read_text()
+    assert "Where the time went" in page and "<td>GEMMs</td>" in page and "aten::mm" in page
+    _, path = write_report(_run_folder(tmp_path / "synthetic", status="succeeded"))
+    assert "not profiled: <code>lfa train --kernel-profile</code>" in path.read_text()

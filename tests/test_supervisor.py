@@ -130,6 +130,7 @@ def test_detached_start_command_line_reads_back_as_the_same_request():
         master_port=29501,
         hardware="v100-32g",
         stop_on_divergence=True,
+        kernel_profile=True,
     )
     argv = request.train_argv()
     assert argv[1:5] == ["-m", "lf_adapter.cli", "train", "/r/train.yaml"]
@@ -151,6 +152,7 @@ def test_detached_start_command_line_reads_back_as_the_same_request():
         "resume_anyway": True,
         "fresh": True,
         "stop_on_divergence": True,
+        "kernel_profile": True,
     }
     defaults = TrainRequest(recipe=Path("/r/train.yaml")).train_argv()
     assert defaults[4:] == ["/r/train.yaml", "--max-attempts", "4"]

@@ -53,6 +53,12 @@ from . import main, user_errors
     help="Stop the attempt (and retry with a lower learning rate "
     "if --allow-hparam-change) when the loss sits at ln(vocab) or rises for 10 logs; without it lfa warns.",
 )
+@click.option(
+    "--kernel-profile",
+    is_flag=True,
+    help="Profile optimizer steps 3-4 with the torch profiler (a GPU's kernels, else the CPU's operators): time by "
+    "kind and GPU idle, in the summary and report.html (those two steps run a little slower).",
+)
 @user_errors
 def train(
     recipe,
@@ -70,6 +76,7 @@ def train(
     resume_anyway,
     fresh,
     stop_on_divergence,
+    kernel_profile,
 ):
     """Run RECIPE with llamafactory-cli, watch it, classify failures, retry and resume.
 
@@ -93,6 +100,7 @@ def train(
         fresh=fresh,
         resume_anyway=resume_anyway,
         stop_on_divergence=stop_on_divergence,
+        kernel_profile=kernel_profile,
     )
     if detach:
         _refuse_broken_recipe(Path(recipe), hardware)

@@ -23,7 +23,10 @@ KERNEL_KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)),
     ("loss (cross-entropy)", re.compile(r"cross_entropy|log_softmax|nll_loss", re.IGNORECASE)),
-    ("GEMMs", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|sm\d\d_", re.IGNORECASE)),
+    (
+        "GEMMs",
+        re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|sm\d\d_|^aten::(mm|addmm|bmm|baddbmm)$", re.IGNORECASE),
+    ),
     ("norms, activations, RoPE (liger/Triton)", re.compile(r"rms_norm|swiglu|rope|silu|layer_norm", re.IGNORECASE)),
     ("copies, casts, other elementwise", re.compile(r".")),
 )
@@ -32,21 +35,26 @@ KERNEL_KINDS = (
 TOP_KERNELS = 12  # the kernels that took longest, by name, beside the kinds
 
 
-def kernel_breakdown(events) -> tuple[dict[str, float], list[tuple[float, float]], list[list]]:
-    """GPU seconds of the profiler's CUDA kernels by KERNEL_KINDS, every kernel's (start, end) in µs, and the
-    TOP_KERNELS names with the most GPU time as [name, seconds, launches]."""
+def kernel_breakdown(events, device: str = "CUDA") -> tuple[dict[str, float], list[tuple[float, float]], list[list]]:
+    """Seconds of the profiler's CUDA kernels (device "CUDA") or of the CPU's operators, each counted without the
+    operators it calls (device "CPU"), by KERNEL_KINDS; every kernel's (start, end) in µs (CUDA only: operators
+    nest), and the TOP_KERNELS names with the most time as [name, seconds, launches]."""
     seconds: dict[str, float] = {}
     by_name: dict[str, list] = {}
     spans = []
     for event in events:
-        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+        if str(getattr(event, "device_type", "")).split(".")[-1] != device:
             continue
-        start, end = event.time_range.start, event.time_range.end
-        spans.append((start, end))
+        if device == "CUDA":
+            start, end = event.time_range.start, event.time_range.end
+            spans.append((start, end))
+            took = (end - start) / 1e6
+        else:
+            took = event.self_cpu_time_total / 1e6
         kind = next(name for name, pattern in KERNEL_KINDS if pattern.search(event.name))
-        seconds[kind] = seconds.get(kind, 0.0) + (end - start) / 1e6
+        seconds[kind] = seconds.get(kind, 0.0) + took
         totals = by_name.setdefault(event.name[:120], [0.0, 0])
-        totals[0] += (end - start) / 1e6
+        totals[0] += took
         totals[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return seconds, spans, [[name, round(s, 4), n] for name, (s, n) in top]
@@ -139,12 +147,15 @@ class CommProfileCallback(TrainerCallback):
         events = self.profiler.events()
         window = {"first_step": self.first, "last_step": state.global_step, "window_s": round(wall, 4)}
         if self.kernels:
-            kinds, kernel_spans, top = kernel_breakdown(events)
-            busy = union_seconds(kernel_spans)
+            device = "CUDA" if torch.cuda.is_available() else "CPU"
+            kinds, kernel_spans, top = kernel_breakdown(events, device)
+            # a GPU's busy time is the union of its kernels; a CPU's the sum of its operators' own time
+            busy = union_seconds(kernel_spans) if device == "CUDA" else sum(kinds.values())
             self.emit(
                 state,
                 event="kernels",
                 **window,
+                device=device.lower(),
                 gpu_busy_s=round(busy, 4),
                 gpu_idle_s=round(max(0.0, wall - busy), 4),  # launch gaps, host work, syncs
                 kinds_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},

@@ -52,6 +52,7 @@ class AttemptSeries:
     gpu_power_w: list[float | None] = field(default_factory=list)
     gpu_sampling: str | None = None  # how the utilization was sampled (gpu_stats.py)
     comm: dict | None = None  # the communication profiler's window (plugin/comm_profile.py)
+    kernels: dict | None = None  # the kernel profile of that window (lfa train --kernel-profile)
     host_rss_gib: list[float | None] = field(default_factory=list)
     log_steps: list[int] = field(default_factory=list)
     loss: list[float | None] = field(default_factory=list)
@@ -150,6 +151,8 @@ def split_events(events: list[dict], attempts: list[AttemptRecord]) -> dict[int,
             s.gpu_sampling = event.get("gpu_sampling") or s.gpu_sampling
         elif kind == "comm":
             s.comm = event
+        elif kind == "kernels":
+            s.kernels = event
         elif kind == "log":
             if "train_runtime" in event:
                 s.final = {k: v for k, v in event.items() if k.startswith("train_") or k == "total_flos"}
@@ -401,6 +404,9 @@ def summary_lines(report: RunReport, report_path: Path | None) -> list[str]:
             f"  GPU busy     {h['gpu_util_mean']:.0f}% of the time (NVML, {h['gpu_sampling']}, mean after "
             f"warm-up)" + (f"; MFU {h['mfu']:.1%}" if h["mfu"] is not None else "")
         )
+    kernels = kernel_line(report)
+    if kernels:
+        lines.append(f"  profile      {kernels}")
     if h["peak_gpu_reserved_gib"] is not None:
         limit = f", card {h['gpu_limit_gib']:.1f} GiB" if h["gpu_limit_gib"] else ""
         lines.append(
@@ -487,6 +493,41 @@ def communication_note(report: RunReport) -> str:
     )
 
 
+def kernel_profile(report: RunReport) -> dict | None:
+    """The newest attempt's kernel profile (lfa train --kernel-profile) as shares of its window's wall time."""
+    measured = [(n, s.kernels) for n, s in report.series.items() if s.kernels and s.kernels.get("window_s")]
+    if not measured:
+        return None
+    n, k = measured[-1]
+    wall = k["window_s"]
+    on_gpu = k.get("device", "cuda") == "cuda"
+    idle = "GPU idle (no kernel running)" if on_gpu else "outside operators (Python, data loading)"
+    rows = [(kind, seconds, seconds / wall) for kind, seconds in k["kinds_s"].items()]
+    rows.append((idle, k["gpu_idle_s"], k["gpu_idle_s"] / wall))
+    return {
+        "attempt": n,
+        "steps": f"{k['first_step']}-{k['last_step']}",
+        "window_s": wall,
+        "what": "GPU kernels" if on_gpu else "CPU operators (each without the operators it calls)",
+        "rows": rows,
+        "top": k.get("top_kernels") or [],
+    }
+
+
+def kernel_line(report: RunReport) -> str | None:
+    """One summary line: the kinds that took at least 5% of the profiled steps, and the idle share."""
+    profile = kernel_profile(report)
+    if profile is None:
+        return None
+    parts = [f"{kind} {share:.0%}" for kind, _, share in profile["rows"][:-1] if share >= 0.05]
+    idle = profile["rows"][-1]
+    return (
+        f"steps {profile['steps']} of attempt {profile['attempt']} ({profile['what'].split(' (')[0]}): "
+        + ", ".join(parts)
+        + f"; {idle[0].split(' (')[0]} {idle[2]:.0%}"
+    )
+
+
 def evidence_message(lines: list[str]) -> str | None:
     """The line of a failure's evidence that says what went wrong: the exception's message, not the source line
     that raised it."""
@@ -556,6 +597,7 @@ def render_html(report: RunReport, figures: dict[str, Path]) -> str:
             if name in figures
         ],
         communication=communication_note(report),
+        kernels=kernel_profile(report),
         final=final,
         memory=memory,
         recipe_diff=report.recipe_diff,

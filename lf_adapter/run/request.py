@@ -21,6 +21,7 @@ TRAIN_FLAGS = {
     "master_addr": "--master-addr",
     "master_port": "--master-port",
     "overrides": "--set",
+    "kernel_profile": "--kernel-profile",
 }
 
 
@@ -40,6 +41,7 @@ class TrainRequest:
     master_port: int | None = None
     hardware: str | None = None  # plan remedies for this profile instead of the recipe's own
     stop_on_divergence: bool = False  # stop (and retry) when the loss sits at ln(vocab) or keeps rising
+    kernel_profile: bool = False  # profile optimizer steps 3-4: time by kernel kind and GPU idle, in the report
 
     def train_argv(self) -> list[str]:
         """The `lfa train` command line that makes this request again (the detached start runs it)."""

@@ -129,6 +129,8 @@ def prepare_launch(setup: RunSetup, state: LoopState) -> Launch | str:
     env.update(attempt.env)
     env[contract.EVENTS_FILE] = str(setup.run_dir / "events.jsonl")
     env[contract.SUPERVISOR_PID] = str(os.getpid())  # the trainer saves and stops if this supervisor dies
+    if setup.request.kernel_profile:
+        env[contract.KERNEL_PROFILE] = "1"
     env.update(setup.rendezvous_env)
     if attempt.plan.strategy.started_by == "accelerate":
         write_accelerate_config(recipe.folder, attempt.plan)
