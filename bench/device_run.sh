@@ -50,11 +50,13 @@ if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact 
   (cd $OUT && tar czf probe_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = seed ]; then
-  timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^profile |^[a-z0-9_#.]+ +[a-z(]|Traceback|Error" | tee $OUT/seed.txt
+  # repeatable in one call (seed ...; seed ...): each invocation's table and archive get their own number
+  n=1; while [ -e $OUT/seed_$n.tgz ]; do n=$((n + 1)); done
+  timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^profile |^[a-z0-9_#.]+ +[a-z(]|Traceback|Error" | tee -a $OUT/seed.txt
   # one archive: the device returns few files, and none whose name has a '#' (repeats are seed_fix#2, capped#2)
   # what `lfa train` wrote at its end: report.html, the PNGs, ledger and events of every run
   for d in $W/seed/runs/*/; do n=$(basename "$d"); mkdir -p "$OUT/seed/reports/$n"
     cp "$d"/report.html "$d"/*.png "$d"/ledger.json "$d"/events.jsonl "$OUT/seed/reports/$n/" 2>/dev/null; done
-  (cd $OUT && tar czf seed.tgz seed && rm -rf seed)
+  (cd $OUT && tar czf seed_$n.tgz seed && rm -rf seed)
 fi
 df -h /tmp | tail -1

@@ -89,8 +89,10 @@ GENERATED = {
     # (pinned from the row of `h200` in the same table) with master weights on
     "h200_master": ("h200", ["--pin", "master_weights=true"], [], False),
     "h200_master_same": ("h200", ["--pin", "master_weights=true"], [], False),
+    "capped_master": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
+    "capped_master_same": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
 }
-SAME_PLAN_AS = {"h200_master_same": "h200"}  # label -> the label whose measured plan it pins
+SAME_PLAN_AS = {"h200_master_same": "h200", "capped_master_same": "capped"}  # label -> the label whose plan it pins
 
 
 def pins_of_plan(label: str) -> list[str]:

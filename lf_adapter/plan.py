@@ -48,8 +48,8 @@ class Plan:
     # with gradient checkpointing: how many decoder layers are checkpointed, the first k of L (lfa plugin,
     # LFA_CHECKPOINT_LAYERS); None: all of them (LLaMA-Factory's own setting, what runs without the plugin)
     checkpoint_layers: int | None = None
-    # bf16 weights in the model, fp32 master weights and gradients in the optimizer (lfa plugin, LFA_MASTER_WEIGHTS):
-    # no autocast casts of the weights per micro-batch, a bf16 residual stream; False: fp32 weights under autocast
+    # 16-bit weights in the model, fp32 master weights and gradients in the optimizer (lfa plugin, LFA_MASTER_WEIGHTS):
+    # no autocast casts of the weights per micro-batch, a 16-bit residual stream; False: fp32 weights under autocast
     master_weights: bool = False
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     launcher: str = "torchrun"  # torchrun (LLaMA-Factory's FORCE_TORCHRUN relaunch) | ray (USE_RAY=1)

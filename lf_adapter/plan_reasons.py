@@ -445,11 +445,11 @@ def explain(
         ),
         "sorted_steps": _sorted_steps_reason(p),
         "master_weights": (
-            "on (pinned): bf16 weights in the model, fp32 master weights, gradients and Adam states in the "
-            "optimizer; its speed is priced by construction (gradient accumulation into the masters), not measured"
+            f"on (pinned): {p.precision} weights in the model, fp32 master weights, gradients and Adam states in "
+            "the optimizer; its speed is priced by construction (gradient accumulation into the masters), not measured"
             if p.master_weights
-            else "off: fp32 weights under autocast (what LLaMA-Factory runs); --pin master_weights=true on one bf16 "
-            "GPU keeps bf16 weights in the model and fp32 masters in the optimizer"
+            else "off: fp32 weights under autocast (what LLaMA-Factory runs); --pin master_weights=true on one GPU "
+            "keeps 16-bit weights in the model and fp32 masters in the optimizer"
         ),
         "allocator": (
             f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "

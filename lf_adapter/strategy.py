@@ -236,12 +236,11 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         "use_badam",
     ),
     Constraint(
-        "master_weights_needs_bf16_one_process",
-        lambda p: p.master_weights and (p.precision != "bf16" or p.distributed or p.optimizer != Optimizer.ADAMW),
-        "master weights (bf16 model, fp32 masters in lfa's plugin) run in bf16 on one process without DeepSpeed, "
-        "with AdamW: fp16 keeps autocast's fp32 residual stream against overflow, DeepSpeed keeps its own masters, "
-        "DDP reduces the model's own gradients",
-        "drop the master_weights pin, or train bf16 on one GPU",
+        "master_weights_on_one_process",
+        lambda p: p.master_weights and (p.precision == "fp32" or p.distributed or p.optimizer != Optimizer.ADAMW),
+        "master weights (a 16-bit model, fp32 masters in lfa's plugin) run in bf16 or fp16 on one process without "
+        "DeepSpeed, with AdamW: DeepSpeed keeps its own masters, DDP reduces the model's own gradients",
+        "drop the master_weights pin, or train in 16 bits on one GPU",
         "bf16",
     ),
     Constraint(

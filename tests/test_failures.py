@@ -94,6 +94,17 @@ def test_nan_on_bf16_capable_card_goes_back_to_bf16():
     assert remedy.action == "bf16_if_supported" and remedy.attempt.plan.precision == "bf16"
 
 
+def test_nan_under_fp16_master_weights_goes_back_to_autocast_where_bf16_is_missing():
+    nan = classify(["lfa: non-finite loss or grad_norm"], 1)
+    attempt = Attempt(Plan("fp16", 8, 8, master_weights=True))
+    remedy = next_remedy(attempt, nan, Context(load_profile("v100-32g")), set())
+    assert remedy.action == "no_master_weights" and not remedy.attempt.plan.master_weights
+    assert remedy.attempt.plan.precision == "fp16"
+    # a bf16 card goes back to bf16 first (the range is the problem), keeping master weights
+    remedy = next_remedy(attempt, nan, Context(load_profile("a100-80g")), set())
+    assert remedy.action == "bf16_if_supported" and remedy.attempt.plan.master_weights
+
+
 def test_line_reader_handles_carriage_returns_bad_bytes_and_huge_lines():
     reader = LineReader()
     lines = reader.feed(b"  5%|#  | 1/20\r 10%|## | 2/20\rok \xff\xfe\n" + b"x" * 100000 + b"\n")

@@ -81,8 +81,8 @@ def print_host(host) -> None:
     "attention, deepspeed (zero2|zero3|none), sharding (none|ddp|zero1|zero2|zero3|fsdp2), offload "
     "(none|optimizer|all|nvme-optimizer|nvme-all), optimizer (adamw|adamw_8bit|badam: changes what is "
     "trained), padding_free, token_budget (tokens per micro-batch, 0: fixed micro-batches), checkpoint_layers "
-    "(the first k decoder layers recompute, the rest keep activations), master_weights (bf16 weights in the "
-    "model, fp32 masters in the optimizer; bf16 on one GPU), alloc_conf.",
+    "(the first k decoder layers recompute, the rest keep activations), master_weights (16-bit weights in the "
+    "model, fp32 masters in the optimizer; bf16 or fp16 on one GPU), alloc_conf.",
 )
 @click.option(
     "--allow-optimizer-change",

@@ -8,7 +8,7 @@ PADDING_FREE = "LFA_PADDING_FREE"  # "1": each micro-batch's rows flattened, att
 SORTED_STEPS = "LFA_SORTED_STEPS"  # "1": micro-batches sorted by length inside each optimizer step
 TOKEN_BUDGET = "LFA_TOKEN_BUDGET"  # N: each optimizer step's rows cut into micro-batches of at most N tokens
 CHECKPOINT_LAYERS = "LFA_CHECKPOINT_LAYERS"  # k: only the first k decoder layers recompute their forward
-MASTER_WEIGHTS = "LFA_MASTER_WEIGHTS"  # "1": bf16 weights in the model, fp32 masters in the optimizer
+MASTER_WEIGHTS = "LFA_MASTER_WEIGHTS"  # "1": 16-bit weights in the model, fp32 masters in the optimizer
 # set by lfa train per attempt
 EVENTS_FILE = "LFA_EVENTS_FILE"  # where the plugin appends its JSON events
 SUPERVISOR_PID = "LFA_SUPERVISOR_PID"  # the trainer saves and stops when this process is gone

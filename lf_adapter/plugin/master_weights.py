@@ -1,10 +1,11 @@
-"""16-bit weights in the model, fp32 master weights in the optimizer (LFA_MASTER_WEIGHTS=1; bf16, one process,
-no DeepSpeed or FSDP). LLaMA-Factory upcasts a full fine-tune to fp32 and trains under autocast, which casts every
-weight to bf16 again in each micro-batch's forward (and recompute) and keeps the residual stream in fp32. Here the
-model holds bf16 weights; each fp32 weight becomes the optimizer's master, each micro-batch's bf16 gradient is added
-into the master's fp32 gradient as soon as autograd has it (then freed), clipping and AdamW run on the masters, and
-the step copies them back into the model. LLaMA-Factory's pure_bf16 is not this: it has no fp32 master. Checkpoints
-and the final model are saved from the masters (fp32, as without this), and a resume loads them back."""
+"""16-bit weights in the model, fp32 master weights in the optimizer (LFA_MASTER_WEIGHTS=1; bf16 or fp16, one
+process, no DeepSpeed or FSDP), as DeepSpeed and Megatron train. LLaMA-Factory upcasts a full fine-tune to fp32 and
+trains under autocast, which casts every weight to 16 bits again in each micro-batch's forward (and recompute) and
+keeps the residual stream in fp32. Here the model holds 16-bit weights; each fp32 weight becomes the optimizer's
+master, each micro-batch's 16-bit gradient is added into the master's fp32 gradient as soon as autograd has it (then
+freed), unscaling (fp16), clipping and AdamW run on the masters, and the step copies them back into the model.
+LLaMA-Factory's pure_bf16 is not this: it has no fp32 master. Checkpoints and the final model are saved from the
+masters (fp32, as without this), and a resume loads them back."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from . import contract
 def why_not(trainer) -> str | None:
     """Why master weights cannot run in this trainer (None: they can)."""
     args = trainer.args
-    if not args.bf16:
-        return "bf16 training (fp16 keeps autocast's fp32 residual stream, which guards against overflow)"
+    if not (args.bf16 or args.fp16):
+        return "16-bit mixed precision (bf16 or fp16)"
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         return "a plain process: DeepSpeed and FSDP keep their own master weights"
     if args.world_size > 1:
@@ -27,10 +28,12 @@ def why_not(trainer) -> str | None:
 
 
 class MasterWeights:
-    """The model's trainable parameters (bf16 now) paired with their fp32 masters."""
+    """The model's trainable parameters (16-bit now) paired with their fp32 masters."""
 
-    def __init__(self, model):
+    def __init__(self, model, dtype=None):
         import torch
+
+        self.dtype = dtype or torch.bfloat16
 
         self.pairs = []
         seen = set()
@@ -39,7 +42,7 @@ class MasterWeights:
                 continue
             seen.add(id(param))  # tied weights are one parameter: one master
             master = torch.nn.Parameter(param.data, requires_grad=True)  # the fp32 storage moves, no copy
-            param.data = param.data.to(torch.bfloat16)
+            param.data = param.data.to(self.dtype)
             param.register_post_accumulate_grad_hook(_accumulate_into(master))
             self.pairs.append((param, master))
         self.master_of = {id(param): master for param, master in self.pairs}
@@ -50,7 +53,7 @@ class MasterWeights:
 
     def take_over(self, optimizer) -> None:
         """Point the optimizer (built over the model's parameters, no state yet) at the masters; its step copies
-        them back into the model and clears their gradients (the trainer zeroes the model's, which have none)."""
+        them back into the model and clears their gradients (a step the loss scaler skips: zero_grad below)."""
         for group in optimizer.param_groups:
             group["params"] = [self.master_of.get(id(p), p) for p in group["params"]]
         original_step = optimizer.step
@@ -58,11 +61,14 @@ class MasterWeights:
         def step(*args, **kwargs):
             result = original_step(*args, **kwargs)
             self.copy_to_model()
-            for master in self.masters:
-                master.grad = None
+            self.zero_grad()
             return result
 
         optimizer.step = step
+
+    def zero_grad(self) -> None:
+        for master in self.masters:
+            master.grad = None
 
     def copy_to_model(self) -> None:
         import torch
@@ -73,7 +79,7 @@ class MasterWeights:
     @contextlib.contextmanager
     def masters_in_model(self):
         """The model holds the fp32 masters themselves while saving or loading a checkpoint (a load copies into
-        them in place), then bf16 copies again."""
+        them in place), then 16-bit copies again."""
         import torch
 
         for param, master in self.pairs:
@@ -82,7 +88,7 @@ class MasterWeights:
             yield
         finally:
             for param, master in self.pairs:
-                param.data = master.data.to(torch.bfloat16)
+                param.data = master.data.to(self.dtype)
 
 
 def _accumulate_into(master):
@@ -119,7 +125,8 @@ def _fp32_lm_head_gradient() -> None:
 
 def set_up(trainer) -> None:
     """After the Trainer is built (the model on its device): master weights where LFA_MASTER_WEIGHTS=1 asks and
-    they can run, else the autocast path with a message."""
+    they can run, else the autocast path with a message. The trainer zeroes the model's gradients after each step,
+    taken or skipped by fp16's loss scaler: the masters' are cleared with them."""
     if os.environ.get(contract.MASTER_WEIGHTS) != "1":
         return
     reason = why_not(trainer)
@@ -127,8 +134,18 @@ def set_up(trainer) -> None:
         os.environ[contract.MASTER_WEIGHTS] = "0"
         print(f"lfa: master weights need {reason}: training fp32 weights under autocast", flush=True)
         return
-    trainer._lfa_master_weights = weights = MasterWeights(trainer.model)
+    import torch
+
+    dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16
+    trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype)
     _fp32_lm_head_gradient()
+    model_zero_grad = trainer.model.zero_grad
+
+    def zero_grad(*args, **kwargs):
+        weights.zero_grad()
+        return model_zero_grad(*args, **kwargs)
+
+    trainer.model.zero_grad = zero_grad
     accelerator = trainer.accelerator
     original_clip = accelerator.clip_grad_norm_
 
@@ -137,8 +154,8 @@ def set_up(trainer) -> None:
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
     print(
-        f"lfa: master weights: {len(weights.pairs)} bf16 weights in the model, their fp32 masters and fp32 "
-        "gradients in the optimizer",
+        f"lfa: master weights: {len(weights.pairs)} {str(dtype).split('.')[-1]} weights in the model, their fp32 "
+        "masters and fp32 gradients in the optimizer",
         flush=True,
     )
 

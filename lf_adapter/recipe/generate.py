@@ -131,7 +131,7 @@ PINNABLE = {
     "padding_free": bool,
     "token_budget": int,  # tokens per micro-batch (0: fixed micro-batches)
     "checkpoint_layers": int,  # decoder layers checkpointed (the first k), with gradient checkpointing
-    "master_weights": bool,  # bf16 weights in the model, fp32 masters in the optimizer (bf16, one process)
+    "master_weights": bool,  # 16-bit weights in the model, fp32 masters in the optimizer (one process)
 }
 
 

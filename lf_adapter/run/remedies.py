@@ -163,6 +163,14 @@ def _fp16(a, f, c):
     return a.plan.replace(precision="fp16"), "the GPU lacks bf16: fp16 mixed precision with dynamic loss scaling"
 
 
+def _no_master_weights(a, f, c):
+    if not a.plan.master_weights or a.plan.precision != "fp16":
+        return None
+    return a.plan.replace(master_weights=False), (
+        "fp16 overflowed with master weights: fp32 weights under autocast keep the residual stream in fp32"
+    )
+
+
 def _drop_deepspeed(a, f, c):
     if a.plan.deepspeed is None or a.plan.world_size > 1:
         return None
@@ -185,6 +193,7 @@ PLAN_ACTIONS = {
     "zero3_offload": _deepspeed(Sharding.ZERO3.value, Offload.ALL.value),
     "fp16": _fp16,
     "bf16_if_supported": _bf16_if_supported,
+    "no_master_weights": _no_master_weights,
     "drop_deepspeed": _drop_deepspeed,
 }
 
