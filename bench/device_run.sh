@@ -55,8 +55,8 @@ if [ "$cmd" = seed ]; then
   timeout ${BENCH_TIMEOUT:-520} python3 bench/seed_scenario.py $W $OUT/seed "$@" 2>&1 | grep -E "^BENCH|^run |^profile |^[a-z0-9_#.]+ +[a-z(]|Traceback|Error" | tee -a $OUT/seed.txt
   # one archive: the device returns few files, and none whose name has a '#' (repeats are seed_fix#2, capped#2)
   # what `lfa train` wrote at its end: report.html, the PNGs, ledger and events of every run
-  for d in $W/seed/runs/*/; do n=$(basename "$d"); mkdir -p "$OUT/seed/reports/$n"
-    cp "$d"/report.html "$d"/*.png "$d"/ledger.json "$d"/events.jsonl "$OUT/seed/reports/$n/" 2>/dev/null; done
+  for d in $W/seed/runs/*/; do r=$(basename "$d"); mkdir -p "$OUT/seed/reports/$r"
+    cp "$d"/report.html "$d"/*.png "$d"/ledger.json "$d"/events.jsonl "$OUT/seed/reports/$r/" 2>/dev/null; done
   (cd $OUT && tar czf seed_$n.tgz seed && rm -rf seed)
 fi
 df -h /tmp | tail -1
