@@ -89,6 +89,8 @@ GENERATED = {
     # (pinned from the row of `h200` in the same table) with master weights on
     "h200_master": ("h200", ["--pin", "master_weights=true"], [], False),
     "h200_master_same": ("h200", ["--pin", "master_weights=true"], [], False),
+    "h200_autocast": ("h200", ["--no-master-weights"], [], False),
+    "capped_autocast": ("h200-capped-32g", FP16 + ["--no-master-weights"], [], True),
     "capped_master": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
     "capped_master_same": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
 }

@@ -177,6 +177,7 @@ class Plan:
             packing="packing" in parts,
             padding_free="padfree" in parts,
             sorted_steps="sorted" in parts,
+            master_weights="master" in parts,
             launcher="ray" if "ray" in parts else "torchrun",
             **fields,
         )

@@ -14,7 +14,7 @@ from .memory import (
 from .model_spec import ModelSpec, catalog, load_model_spec
 from .plan import Plan
 from .planner import Candidate, PlanOptions, padding_free_exact_here, pick_precision, plan, rank
-from .strategy import Offload, Optimizer, Sharding, violations
+from .strategy import MASTER_WEIGHTS_RULE, Offload, Optimizer, Sharding, violated, violations
 from .throughput import within_checked_sizes
 
 
@@ -96,7 +96,9 @@ def ruled_out_optimizers(listed: list[Candidate]) -> dict[str, str]:
     shown = {c.plan.optimizer for c in listed}
     out = {}
     for optimizer in (o for o in Optimizer if o != Optimizer.ADAMW and o not in shown):
-        plain = probe.replace(optimizer=optimizer.value, sharding=Sharding.NONE, offload=Offload.NONE)
+        plain = probe.replace(
+            optimizer=optimizer.value, sharding=Sharding.NONE, offload=Offload.NONE, master_weights=False
+        )
         reasons = [c.why for c in violations(plain)]
         if reasons:
             out[optimizer.value] = "; ".join(reasons)
@@ -372,6 +374,26 @@ def _recompute_reason(p: Plan, model: ModelSpec, options: PlanOptions) -> str:
     )
 
 
+def _master_weights_reason(p: Plan, options: PlanOptions) -> str:
+    pinned = " (pinned)" if "master_weights" in options.fixed else ""
+    if p.master_weights:
+        return (
+            f"on{pinned}: {p.precision} weights in the model; fp32 master weights, their fp32 gradients and Adam's "
+            "states in the optimizer (lfa's plugin), as DeepSpeed keeps them: no per-micro-batch casts of the weights, "
+            "a 16-bit residual stream (speed from the H100 pair of bench/README.md, session 26)"
+        )
+    if pinned:
+        return "off (pinned): fp32 weights under autocast, as LLaMA-Factory trains"
+    if not options.master_weights:
+        return "off: --no-master-weights (fp32 weights under autocast, as LLaMA-Factory trains)"
+    if violated(p.replace(master_weights=True), MASTER_WEIGHTS_RULE):
+        return (
+            "off: fp32 weights under autocast; master weights run in bf16/fp16 on one process without DeepSpeed, "
+            "with AdamW"
+        )
+    return "off: fp32 weights under autocast; the master-weights plans are predicted slower or do not fit here"
+
+
 def _sorted_steps_reason(p: Plan) -> str:
     if p.sorted_steps:
         return (
@@ -444,13 +466,7 @@ def explain(
             else "off: keeps one row per sample as in the paper (pass --allow-packing to trade that for speed)"
         ),
         "sorted_steps": _sorted_steps_reason(p),
-        "master_weights": (
-            f"on (pinned): {p.precision} weights in the model, fp32 master weights, gradients and Adam states in "
-            "the optimizer; its speed is priced by construction (gradient accumulation into the masters), not measured"
-            if p.master_weights
-            else "off: fp32 weights under autocast (what LLaMA-Factory runs); --pin master_weights=true on one GPU "
-            "keeps 16-bit weights in the model and fp32 masters in the optimizer"
-        ),
+        "master_weights": _master_weights_reason(p, options),
         "allocator": (
             f"PYTORCH_CUDA_ALLOC_CONF={p.alloc_conf}: micro-batches change shape from step to step; "
             "expandable segments let the caching allocator reuse memory instead of fragmenting it and "

@@ -19,7 +19,17 @@ from .memory import (
 )
 from .model_spec import ModelSpec
 from .plan import Plan
-from .strategy import NOT_PLANNED, STRATEGIES, Offload, Optimizer, Sharding, normalized_sharding, violations
+from .strategy import (
+    MASTER_WEIGHTS_RULE,
+    NOT_PLANNED,
+    STRATEGIES,
+    Offload,
+    Optimizer,
+    Sharding,
+    normalized_sharding,
+    violated,
+    violations,
+)
 from .throughput import predict_tokens_per_s
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -37,6 +47,7 @@ class PlanOptions:
     sort_steps: bool = True  # length-sorted micro-batches inside each step (no change to what a step trains on)
     padding_free: bool = True  # rows flattened where the exact varlen kernel exists (sm80+); --no-padding-free
     token_budget: bool = True  # micro-batches cut by a token budget (GPU plans without DeepSpeed); --no-token-budget
+    master_weights: bool = True  # 16-bit model, fp32 masters (GPU plans on one process); --no-master-weights
     mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
     # recovery after an OOM (remedies.replan_after_oom): what the log showed
@@ -240,8 +251,15 @@ def candidate_plans(
     shapes = micro_batch_shapes(
         effective_batch, world, seq_len, options.token_budget and not on_cpu, int(pinned_budget or 0) or None
     )
-    for (mbs, budget), gc, lg, attn, (stage, offload), pack, pf, optimizer in itertools.product(
-        shapes, [False, True], liger, attention, ds, packing, padding_free, optimizers
+    masters = (
+        [bool(options.fixed["master_weights"])]
+        if "master_weights" in options.fixed
+        else [True, False]
+        if options.master_weights and not on_cpu
+        else [False]
+    )
+    for (mbs, budget), gc, lg, attn, (stage, offload), pack, pf, optimizer, master in itertools.product(
+        shapes, [False, True], liger, attention, ds, packing, padding_free, optimizers, masters
     ):
         if budget and not STRATEGIES[stage or Sharding.NONE.value].token_budget:  # an engine owns accumulation
             if pinned_budget and forbidden is not None:
@@ -271,10 +289,12 @@ def candidate_plans(
             alloc_conf=None if on_cpu else options.fixed.get("alloc_conf", options.alloc_conf),
             launcher=options.launcher,
             optimizer=optimizer,
-            master_weights=bool(options.fixed.get("master_weights", False)),  # pinned only until measured
+            master_weights=master,
         )
         if not all(getattr(plan, key) == value for key, value in fixed.items() if key != "alloc_conf"):
             continue
+        if master and "master_weights" not in fixed and violated(plan, MASTER_WEIGHTS_RULE):
+            continue  # offered where it runs; only a pin of it is reported as broken
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
         if broken:
             if forbidden is not None:

@@ -187,6 +187,8 @@ class Constraint:
     key: str  # the recipe key a review finding points at
 
 
+MASTER_WEIGHTS_RULE = "master_weights_on_one_process"
+
 CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         "liger_with_zero3",
@@ -236,7 +238,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         "use_badam",
     ),
     Constraint(
-        "master_weights_on_one_process",
+        MASTER_WEIGHTS_RULE,
         lambda p: p.master_weights and (p.precision == "fp32" or p.distributed or p.optimizer != Optimizer.ADAMW),
         "master weights (a 16-bit model, fp32 masters in lfa's plugin) run in bf16 or fp16 on one process without "
         "DeepSpeed, with AdamW: DeepSpeed keeps its own masters, DDP reduces the model's own gradients",

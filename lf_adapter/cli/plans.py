@@ -121,6 +121,12 @@ def print_host(host) -> None:
     "micro-batches by a token budget sized from memory).",
 )
 @click.option(
+    "--no-master-weights",
+    is_flag=True,
+    help="Keep LLaMA-Factory's fp32 weights under autocast (default on one GPU in bf16/fp16: 16-bit weights in the "
+    "model, fp32 master weights, gradients and Adam states in the optimizer, as DeepSpeed keeps them).",
+)
+@click.option(
     "--set",
     "sets",
     multiple=True,
@@ -167,6 +173,7 @@ def generate(
     no_sorted_steps,
     no_padding_free,
     no_token_budget,
+    no_master_weights,
     sets,
     effective_batch,
     save_steps,
@@ -209,6 +216,7 @@ def generate(
         sort_steps=not no_sorted_steps,
         padding_free=not no_padding_free,
         token_budget=not no_token_budget,
+        master_weights=not no_master_weights,
         pins=tuple(pins),
         launcher=launcher,
         llamafactory_version=llamafactory_version,

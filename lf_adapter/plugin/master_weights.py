@@ -80,7 +80,6 @@ class MasterWeights:
     def masters_in_model(self):
         """The model holds the fp32 masters themselves while saving or loading a checkpoint (a load copies into
         them in place), then 16-bit copies again."""
-        import torch
 
         for param, master in self.pairs:
             param.data = master.data

@@ -71,6 +71,7 @@ class GenerateRequest:
     sort_steps: bool = True
     padding_free: bool = True  # where the exact varlen kernel exists (--no-padding-free: padded everywhere)
     token_budget: bool = True  # token-budget micro-batches where they apply (--no-token-budget: fixed ones)
+    master_weights: bool = True  # 16-bit model, fp32 masters where they run (--no-master-weights: autocast)
     pins: tuple[str, ...] = ()  # FIELD=VALUE plan fields fixed by the user
     launcher: str = "torchrun"
     llamafactory_version: str | None = None  # default: the installed one, else 0.9.5
@@ -94,7 +95,8 @@ class GenerateRequest:
             *_flag("--template", self.template), "--hardware", self.hardware, *_flag("--gpus", self.gpus),
             *_flag("--precision", self.precision), *_switch("--allow-packing", self.allow_packing),
             *_switch("--no-sorted-steps", not self.sort_steps), *_switch("--no-padding-free", not self.padding_free),
-            *_switch("--no-token-budget", not self.token_budget), *_repeated("--pin", self.pins),
+            *_switch("--no-token-budget", not self.token_budget),
+            *_switch("--no-master-weights", not self.master_weights), *_repeated("--pin", self.pins),
             *_switch("--allow-optimizer-change", self.allow_optimizer_change), *_flag("--nvme-path", self.nvme_path),
             *_flag("--launcher", self.launcher if self.launcher != "torchrun" else None),
             *_flag("--llamafactory-version", self.llamafactory_version), *_repeated("--set", self.sets),
@@ -372,6 +374,7 @@ def generate(request: GenerateRequest) -> Generated:
         sort_steps=request.sort_steps,
         padding_free=request.padding_free,
         token_budget=request.token_budget,
+        master_weights=request.master_weights,
         liger_available=liger_ok,
         launcher=request.launcher,
         flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,

@@ -10,7 +10,9 @@ export DISABLE_VERSION_CHECK=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
 export LFA_DROP_PADDING_MASK=1
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS=7
+export LFA_CHECKPOINT_LAYERS=3
+# lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch weight casts)
+export LFA_MASTER_WEIGHTS=1
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 exec llamafactory-cli train train.yaml "$@"
