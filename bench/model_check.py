@@ -23,9 +23,12 @@ from seed_scenario import catalog_spec  # noqa: E402
 MEAN_FRACTION = 1475 / 2048
 
 
-def profile_of(label: str) -> str:
-    """The seed's card (emulated by the capped allocator) for the seed fix and the capped plans, else the H200."""
-    return "h200-capped-32g" if label.startswith(("seed_fix", "capped", "v100")) else "h200"
+def profile_of(label: str, run: str = "") -> str:
+    """The seed's card (emulated by the capped allocator) for the seed fix and the capped plans, else the whole card
+    the run's folder names (h100_session*: seed_scenario.py --whole-profile h100), the H200 by default."""
+    if label.startswith(("seed_fix", "capped", "v100")):
+        return "h200-capped-32g"
+    return "h100" if "h100_session" in run else "h200"
 
 
 def spec_of(label: str, row: dict):
@@ -35,7 +38,12 @@ def spec_of(label: str, row: dict):
         return catalog_spec(row["model"])
     return catalog_spec(
         next(
-            (folder for folder in ("model_6.7b", "model_350m") if label.endswith(folder.removeprefix("model"))), "model"
+            (
+                folder
+                for folder in ("model_6.7b", "model_6.7b-12l", "model_350m")
+                if label.endswith(folder.removeprefix("model"))
+            ),
+            "model",
         )
     )
 
@@ -59,6 +67,8 @@ def main() -> None:
         *sorted(str(p) for p in Path("bench/results/h200_session13").glob("*.json")),
         *sorted(str(p) for p in Path("bench/results/h200_session14").glob("*.json")),
         *sorted(str(p) for p in Path("bench/results/h200_session17").glob("seed*.json")),
+        # session 26: master weights (call 1's same-plan pair fitted autocast_residual_bytes; the rest validate)
+        *sorted(str(p) for p in Path("bench/results").glob("h*_session26/**/seed_scenario.json")),
     ]
     worst = 0.0
     print(f"{'run':36s} {'plan':52s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
@@ -70,14 +80,13 @@ def main() -> None:
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
             predicted = predict_tokens_per_s(
-                spec_of(label, row), plan, load_profile(profile_of(label)), 2048, MEAN_FRACTION
+                spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
             )
             measured = row["steady_tokens_per_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
-            print(
-                f"{Path(run).stem + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}"
-            )
+            name = Path(run).stem if "session26" not in run else "/".join(Path(run).parts[2:4])
+            print(f"{name + ':' + label:36s} {plan.label():52s} {measured:9,d} {predicted:9,.0f} {error:+7.1%}")
     print(f"worst |error|: {worst:.1%}")
     width_check()
 

@@ -246,13 +246,18 @@ def test_a_model_far_below_the_checked_sizes_gets_no_speed_to_be_held_to(demo_as
 
 
 def test_lfa_diff_names_the_plugins_speed_settings(tmp_path):
-    for name, flags in (("a", ()), ("b", ("--no-token-budget", "--no-padding-free"))):
+    autocast = ("--no-master-weights",)
+    for name, flags in (("a", autocast), ("b", (*autocast, "--no-token-budget", "--no-padding-free")), ("c", ())):
         result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", *flags, "-o", tmp_path / name)
         assert result.returncode == 0, result.stderr
     diff = run_lfa("diff", tmp_path / "a" / "train.yaml", tmp_path / "b" / "train.yaml")
     speed = diff.stdout.split("changes speed or memory only:")[1]
     assert "lfa_token_budget: 16384 -> 0" in speed and "lfa_padding_free: True -> False" in speed
     assert "changes training results" not in diff.stdout
+    # master weights compute the residual stream in 16 bits: filed with what changes the results
+    diff = run_lfa("diff", tmp_path / "a" / "train.yaml", tmp_path / "c" / "train.yaml")
+    results = diff.stdout.split("changes training results:")[1].split("changes speed or memory only:")[0]
+    assert "lfa_master_weights: False -> True" in results
 
 
 def test_a_token_budget_below_cutoff_len_is_priced_as_a_row_of_cutoff_len():

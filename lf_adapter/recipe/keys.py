@@ -187,8 +187,8 @@ PLUGIN_SETTINGS = (
     PluginSetting(
         "master_weights",
         contract.MASTER_WEIGHTS,
-        "lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch "
-        "weight casts)",
+        "lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer "
+        "(no per-micro-batch weight casts)",
         changes_results=True,  # the residual stream is 16-bit instead of autocast's fp32
     ),
     PluginSetting(
