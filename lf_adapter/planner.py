@@ -22,6 +22,7 @@ from .plan import Plan
 from .strategy import (
     MASTER_WEIGHTS_RULE,
     NOT_PLANNED,
+    OFFLOADS,
     STRATEGIES,
     Offload,
     Optimizer,
@@ -175,26 +176,31 @@ def _refuse_impossible_pins(model: ModelSpec, world: int, effective_batch: int, 
 
 
 def _engines(hardware: HardwareProfile, options: PlanOptions) -> list[tuple[str | None, str]]:
-    """(DeepSpeed stage or FSDP2 or None, offload) pairs worth pricing on this hardware."""
-    on_cpu, world = not hardware.has_gpu, hardware.world_size
-    z2, z3, none = Sharding.ZERO2.value, Sharding.ZERO3.value, Offload.NONE.value
-    optimizer_offload, all_offload = Offload.OPTIMIZER.value, Offload.ALL.value
-    pinned = options.fixed.get("sharding")
+    """(DeepSpeed stage or FSDP2 or None, offload) pairs worth pricing on this hardware, from the strategy records:
+    the engines the planner proposes, with the offloads each runs (on one process: the ones worth it there, and
+    none when a strategy is pinned); NVMe offload where the profile has an SSD."""
+    none = Offload.NONE.value
+    pinned = options.fixed.get("sharding") or options.fixed.get("deepspeed")
     if pinned in STRATEGIES and STRATEGIES[pinned].proposed == "pinned":  # FSDP2: its speed is not measured yet
-        ds = [(pinned, none)]
-    elif on_cpu or not options.allow_deepspeed:
-        ds = [(None, none)]
-    elif world == 1:
-        # on one GPU ZeRO shards nothing and adds its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB
-        # died allocating a 25 GiB fp32 copy): DeepSpeed only when it offloads, unless pinned
-        ds = [(None, none), (z2, optimizer_offload), (z3, all_offload)]
-        if "sharding" in options.fixed or "deepspeed" in options.fixed:
-            ds += [(z2, none), (z3, none)]
-    else:
-        ds = [(None, none), (z2, none), (z3, none), (z2, optimizer_offload), (z3, optimizer_offload), (z3, all_offload)]
-    if hardware.disk is not None and not hardware.disk.rotational and not on_cpu and options.allow_deepspeed:
-        ds += [(z3, Offload.NVME_OPTIMIZER.value), (z3, Offload.NVME_ALL.value)]
-    return ds
+        return [(pinned, none)]
+    if not hardware.has_gpu or not options.allow_deepspeed:
+        return [(None, none)]
+    ssd = hardware.disk is not None and not hardware.disk.rotational
+    pairs: list[tuple[str | None, str]] = [(None, none)]
+    for name, strategy in STRATEGIES.items():
+        if strategy.engine == "none" or strategy.proposed != "always":
+            continue
+        offloads = (
+            strategy.offloads
+            if hardware.world_size > 1
+            else strategy.one_process_offloads | ({none} if pinned else set())
+        )
+        pairs += [
+            (name, offload)
+            for offload in OFFLOADS  # the vocabulary's order
+            if offload in offloads and (OFFLOADS[offload].device != "nvme" or ssd)
+        ]
+    return pairs
 
 
 def _kernel_choices(

@@ -110,6 +110,10 @@ class Strategy:
     sixteen_bit_model: bool = False  # the engine holds 16-bit weights (fp32 master in its optimizer): no autocast
     host_load: HostLoad = "every rank"
     offloads: frozenset[str] = frozenset({"none"})  # Offload values it runs
+    # what the planner prices on one process unless the strategy is pinned: on one GPU ZeRO shards nothing and adds
+    # its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB died allocating a 25 GiB fp32 copy), so only
+    # its offloads are worth it
+    one_process_offloads: frozenset[str] = frozenset({"none"})
     # ZeRO-3's hooks gather a module's parameters only inside that module's forward (liger's fused loss reads
     # lm_head.weight outside it)
     gathers_per_module: bool = False
@@ -148,11 +152,13 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             Sharding.ZERO2, "deepspeed", frozenset({"optimizer", "gradients"}), "torchrun", "deepspeed/zero.json.j2",
             None, deepspeed_stage=2, sixteen_bit_model=True, offloads=_ZERO_OFFLOADS,
+            one_process_offloads=frozenset({"optimizer"}),
         ),
         Strategy(
             Sharding.ZERO3, "deepspeed", frozenset({"optimizer", "gradients", "parameters"}), "torchrun",
             "deepspeed/zero.json.j2", None, deepspeed_stage=3, sixteen_bit_model=True, host_load="partitioned",
             offloads=_ZERO3_OFFLOADS, gathers_per_module=True, min_lr_as_rate=True,
+            one_process_offloads=frozenset({"all", "nvme-optimizer", "nvme-all"}),
         ),
         Strategy(
             Sharding.FSDP2, "fsdp2", frozenset({"optimizer", "gradients", "parameters"}), "accelerate",

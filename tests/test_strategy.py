@@ -173,3 +173,29 @@ def test_behaviour_reads_the_strategy_records_never_a_strategys_identity():
     assert zero3.sixteen_bit_model and zero3.shards_parameters and zero3.deepspeed_stage == 3
     assert not Plan("bf16", 1, 8).sixteen_bit_model and not Plan("bf16", 1, 8).distributed
     assert Plan("bf16", 1, 8, sharding="zero2").distributed  # DeepSpeed relaunches through torchrun on one GPU
+
+
+def test_the_planners_search_space_is_what_the_records_propose():
+    """planner._engines reads the records: the engines proposed always, with the offloads each runs (on one GPU the
+    ones worth it there, none added when pinned); NVMe only with an SSD; a pinned-only strategy alone when pinned."""
+    import dataclasses
+
+    from lf_adapter.hardware import DiskSpec, load_profile
+    from lf_adapter.planner import PlanOptions, _engines
+    from lf_adapter.strategy import STRATEGIES
+
+    one = load_profile("a100-80g")
+    no_disk = dataclasses.replace(one, disk=None)
+    assert _engines(no_disk, PlanOptions()) == [(None, "none"), ("zero2", "optimizer"), ("zero3", "all")]
+    ssd = dataclasses.replace(one, disk=DiskSpec("/tmp/swap", 500.0))
+    assert _engines(ssd, PlanOptions())[-2:] == [("zero3", "nvme-optimizer"), ("zero3", "nvme-all")]
+    spinning = dataclasses.replace(one, disk=DiskSpec("/tmp/swap", 500.0, rotational=True))
+    assert _engines(spinning, PlanOptions()) == _engines(no_disk, PlanOptions())
+    pinned = _engines(no_disk, PlanOptions(fixed={"sharding": "zero3"}))
+    assert ("zero3", "none") in pinned and ("zero3", "optimizer") not in pinned
+    several = _engines(dataclasses.replace(load_profile("a40x4"), disk=None), PlanOptions())
+    proposed = {n for n, s in STRATEGIES.items() if s.proposed == "always" and s.engine != "none"}
+    expected = {(n, o) for n in proposed for o in STRATEGIES[n].offloads if not o.startswith("nvme")}
+    assert set(several) == {(None, "none"), *expected}
+    assert _engines(load_profile("a40x4"), PlanOptions(fixed={"sharding": "fsdp2"})) == [("fsdp2", "none")]
+    assert _engines(load_profile("cpu"), PlanOptions()) == [(None, "none")]
