@@ -114,6 +114,9 @@ class Strategy:
     # its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB died allocating a 25 GiB fp32 copy), so only
     # its offloads are worth it
     one_process_offloads: frozenset[str] = frozenset({"none"})
+    # the name its rendered config gets beside the recipe where the name is fixed (DeepSpeed's names its stage and
+    # offload: recipe.keys.deepspeed_file_name)
+    config_file: str | None = None
     # ZeRO-3's hooks gather a module's parameters only inside that module's forward (liger's fused loss reads
     # lm_head.weight outside it)
     gathers_per_module: bool = False
@@ -163,6 +166,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             Sharding.FSDP2, "fsdp2", frozenset({"optimizer", "gradients", "parameters"}), "accelerate",
             "launch/accelerate_fsdp2.yaml.j2", "sharding", sixteen_bit_model=True, host_load="rank 0",
+            config_file="accelerate_fsdp2.yaml",
             min_processes=2, proposed="pinned",
             speed_caveat="FSDP2 priced as ZeRO-3 (its own speed is not measured yet)",
         ),

@@ -161,7 +161,8 @@ def test_behaviour_reads_the_strategy_records_never_a_strategys_identity():
         if record.config_template:
             assert (repo / "templates" / record.config_template).is_file(), record.config_template
         assert (record.proposed == "never") == bool(record.not_proposed_why), name
-        assert record.offloads >= {"none"}
+        assert record.offloads >= {"none"} and record.one_process_offloads <= record.offloads, name
+        assert (record.config_file is not None) == (record.started_by == "accelerate"), name
     identity = re.compile(r"(==|!=|\bin\b)\s*\(?\s*Sharding\.[A-Z0-9]+")
     for path in (repo / "lf_adapter").rglob("*.py"):
         if path.name == "strategy.py":

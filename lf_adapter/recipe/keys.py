@@ -126,8 +126,6 @@ def plan_from_keys(
     )
 
 
-ACCELERATE_FSDP2_FILE = "accelerate_fsdp2.yaml"  # beside the recipe; FSDP2 plans start with it
-
 # NVLink multicast can wedge shared hosts; NCCL, PyTorch and NVSHMEM each need it off explicitly.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -18,7 +18,6 @@ from ..plan import Plan
 from ..quoting import comment_text, shell_word, yaml_float, yaml_scalar
 from ..tasks import TaskSpec, chat_template_files
 from .keys import (
-    ACCELERATE_FSDP2_FILE,
     OPTIMIZER_KEYS,
     PLUGIN_SETTINGS,
     deepspeed_file_name,
@@ -129,7 +128,7 @@ def render_accelerate_config(plan: Plan) -> tuple[str, str] | None:
             mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "'no'"),
         )
     )
-    return ACCELERATE_FSDP2_FILE, text
+    return plan.strategy.config_file, text
 
 
 def recipe_meta(inputs: RecipeInputs) -> dict:
@@ -150,7 +149,7 @@ def recipe_meta(inputs: RecipeInputs) -> dict:
         if value is not None:
             meta[setting.field] = value
     if plan.strategy.header_key:  # lives outside train.yaml (accelerate's config): the header says how it starts
-        meta.update({plan.strategy.header_key: plan.sharding, "accelerate_config": ACCELERATE_FSDP2_FILE})
+        meta.update({plan.strategy.header_key: plan.sharding, "accelerate_config": plan.strategy.config_file})
     return meta
 
 

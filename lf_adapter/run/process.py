@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..plan import Plan
 from ..plugin import boot_dir
-from ..recipe.keys import ACCELERATE_FSDP2_FILE, LaunchEnv
+from ..recipe.keys import LaunchEnv
 
 
 def resolve_env(entries: list[LaunchEnv], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -58,7 +58,7 @@ def llamafactory_command(
             str(accelerate) if accelerate.exists() else "accelerate",
             "launch",
             "--config_file",
-            ACCELERATE_FSDP2_FILE,
+            plan.strategy.config_file,
             "--num_processes",
             str(plan.world_size),
             "--num_machines",
