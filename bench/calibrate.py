@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lf_adapter.memory import estimate  # noqa: E402
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
+from lf_adapter.plugin import contract  # noqa: E402
 
 
 def run_config(
@@ -77,8 +78,8 @@ def run_config(
     }
     if events.exists():
         events.unlink()
-    os.environ["LFA_EVENTS_FILE"] = str(events)
-    os.environ["LFA_BENCH_SKIP_FINAL_SAVE"] = "1"  # a 6.7B final save filled the device's disk
+    os.environ[contract.EVENTS_FILE] = str(events)
+    os.environ[contract.BENCH_SKIP_FINAL_SAVE] = "1"  # a 6.7B final save filled the device's disk
     cuda = torch.cuda.is_available()
     gc.collect()
     if cuda:

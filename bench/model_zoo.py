@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lf_adapter.plugin import contract  # noqa: E402
 from seed_scenario import CAP_GIB, lfa, measure  # noqa: E402
 
 # config.json shapes of the published checkpoints (the fields that set memory and speed; weights are random)
@@ -181,12 +182,12 @@ def run_one(
     profile = profiles[gpu_kind()]
     key = key or f"{name.split('/')[-1]}-{hardware}" + ("-pinned" if plan_args else "")
     folder, run_dir = work / key, work / "runs" / key
-    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", contract.BENCH_SKIP_FINAL_SAVE: "1"}
     env["LFA_CACHE_DIR"] = str(work / "cache" / key)
     if capped:
-        env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
+        env[contract.EMULATE_VRAM_GIB] = str(CAP_GIB)
     if kernel_profile:  # the last step under the torch profiler, left out of the steady state
-        env.update(LFA_KERNEL_PROFILE="1", LFA_COMM_PROFILE_STEPS=f"{steps}-{steps}")
+        env.update({contract.KERNEL_PROFILE: "1", contract.COMM_PROFILE_STEPS: f"{steps}-{steps}"})
     row = {"model": name, "model_type": ZOO[name]["model_type"], "hardware": profile}
     row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
     gen_rc = lfa(

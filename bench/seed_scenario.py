@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lf_adapter.model_spec import _from_config_dict, load_model_spec  # noqa: E402
+from lf_adapter.plugin import contract  # noqa: E402
 
 CAP_GIB = 31.73
 H200_PEAK = 989e12
@@ -250,7 +251,7 @@ def run_seed_fix(work: Path, assets: Path, out: Path, env: dict, spec, steps: in
     boot = str(REPO / "lf_adapter" / "plugin" / "boot")
     run_env = {
         **env,
-        "LFA_EVENTS_FILE": str(events),
+        contract.EVENTS_FILE: str(events),
         "PYTHONPATH": os.pathsep.join(filter(None, [boot, str(REPO), env.get("PYTHONPATH")])),
     }
     log = out / f"{key}.log"
@@ -285,7 +286,7 @@ def run_generated(
         gen_args = [*gen_args, *pins_of_plan(same_plan)]
     key = key or label
     if kernel_profile:  # the last step, left out of the steady state
-        env = {**env, "LFA_KERNEL_PROFILE": "1", "LFA_COMM_PROFILE_STEPS": f"{steps}-{steps}"}
+        env = {**env, contract.KERNEL_PROFILE: "1", contract.COMM_PROFILE_STEPS: f"{steps}-{steps}"}
     folder, run_dir = work / key, work / "runs" / key
     lfa(
         "generate",
@@ -401,8 +402,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     build_assets(args.assets, args.model_dir)
     spec = load_model_spec(str(args.assets / args.model_dir))
-    base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
-    capped_env = {**base_env, "LFA_EMULATE_VRAM_GIB": str(CAP_GIB)}
+    base_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", contract.BENCH_SKIP_FINAL_SAVE: "1"}
+    capped_env = {**base_env, contract.EMULATE_VRAM_GIB: str(CAP_GIB)}
     order = ["original", "seed_fix", *GENERATED]
     wanted = [name for name in args.only.split(",") if name in order] if args.only else order
     if args.repeats > 1:  # seed_fix, capped, seed_fix#2, capped#2, ...: the pair alternates, the rest follows

@@ -10,6 +10,7 @@ import sys
 import yaml
 
 from conftest import REPO, _events, _ledger, _start_train, _wait_for, generate_demo_recipe, run_lfa
+from lf_adapter.plugin import contract
 
 
 def _free_port() -> int:
@@ -44,7 +45,7 @@ def test_torchrun_with_two_gloo_processes_stopped_and_resumed(demo_assets, tmp_p
     launch = (recipe.parent / "launch.sh").read_text()
     assert "FORCE_TORCHRUN=1" in launch and "NPROC_PER_NODE=2" in launch
     run_dir = tmp_path / "run"
-    env = {"MASTER_PORT": str(_free_port()), "LFA_STEP_DELAY_S": "0.5", "LFA_COMM_PROFILE_STEPS": "1-2"}
+    env = {"MASTER_PORT": str(_free_port()), contract.STEP_DELAY_S: "0.5", contract.COMM_PROFILE_STEPS: "1-2"}
     supervisor = _start_train(recipe, run_dir, env)
     assert _wait_for(lambda: any(e["event"] == "comm" for e in _events(run_dir))), supervisor.communicate()[0]
     supervisor.send_signal(signal.SIGINT)

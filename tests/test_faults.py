@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, _events, _ledger, _losses, _start_train, _wait_for, run_lfa
+from lf_adapter.plugin import contract
 
 
 def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, tmp_path):
@@ -19,7 +20,7 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
     text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
     recipe.write_text(re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 1", text))
     result = run_lfa(
-        "train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "5", env={"LFA_INJECT_OOM_ABOVE_MBS": "2"}
+        "train", recipe, "--run-dir", tmp_path / "run", "--max-attempts", "5", env={contract.INJECT_OOM_ABOVE_MBS: "2"}
     )
     assert result.returncode == 0, result.stdout + result.stderr
     attempts = _ledger(tmp_path / "run")["attempts"]
@@ -43,7 +44,7 @@ def test_injected_oom_flows_through_the_real_trainer_and_is_retried(cpu_recipe, 
 def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=14", extra=("--save-steps", "4", "--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.4"})
+    supervisor = _start_train(recipe, run_dir, {contract.STEP_DELAY_S: "0.4"})
     saved = lambda: (
         any(e["event"] == "save" and e["global_step"] >= 4 for e in _events(run_dir))
         and any(e["event"] == "step" and e["global_step"] >= 6 for e in _events(run_dir))
@@ -66,7 +67,7 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint_without_repeating_steps(cpu_
 def test_a_stop_signal_stops_cleanly_and_leaves_no_trainer(cpu_recipe, tmp_path, sent, code):
     recipe = cpu_recipe("max_steps=200", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+    supervisor = _start_train(recipe, run_dir, {contract.STEP_DELAY_S: "0.2"})
     assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
     supervisor.send_signal(sent)
     supervisor.communicate(timeout=120)
@@ -118,9 +119,9 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
         profile,
         "--json",
         env={
-            "LFA_INJECT_OOM_ABOVE_MBS": "4",
-            "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
-            "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2",
+            contract.INJECT_OOM_ABOVE_MBS: "4",
+            contract.INJECT_OOM_MESSAGE: SEED_OOM,
+            contract.EMULATE_MODEL: "LLM4Binary/llm4decompile-6.7b-v2",
         },
     )
     first, second = _ledger(tmp_path / "run")["attempts"][:2]
@@ -149,7 +150,7 @@ def test_nan_divergence_retries_from_a_checkpoint_before_it_with_an_attention_va
         run_dir,
         "--max-attempts",
         "3",
-        env={"LFA_INJECT_NAN_AT_STEP": "6", "LFA_STEP_DELAY_S": "0.3"},
+        env={contract.INJECT_NAN_AT_STEP: "6", contract.STEP_DELAY_S: "0.3"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     first, second = _ledger(run_dir)["attempts"]
@@ -167,7 +168,7 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     # 60 steps of >= 0.5 s: time for the refusals below before it could end; the resumed run then trains the rest
     recipe = cpu_recipe("max_steps=60", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.5"})
+    supervisor = _start_train(recipe, run_dir, {contract.STEP_DELAY_S: "0.5"})
     assert _wait_for(lambda: any(e["event"] == "step" for e in _events(run_dir))), supervisor.communicate()[0]
     # a second lfa train of the same run, and of the same recipe under another name: refused, nothing started
     for extra in ((), ("--name", "other")):
@@ -190,7 +191,7 @@ def test_one_supervisor_per_run_and_no_orphan_after_kill_9_of_the_supervisor(cpu
     page = (tmp_path / "report" / "report.html").read_text()
     assert "killed?" in page and page.count("data:image/png;base64,") == 5
     # lfa train again resumes from that checkpoint; no step is trained twice
-    resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=60", env={"LFA_STEP_DELAY_S": "0"})
+    resumed = run_lfa("train", recipe, "--run-dir", run_dir, "--set", "max_steps=60", env={contract.STEP_DELAY_S: "0"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     first, second = _ledger(run_dir)["attempts"][:2]
     assert first["status"] == "supervisor died"
@@ -222,9 +223,9 @@ def test_seed_oom_on_a_128_gib_host_stops_at_once_with_what_would_fit(cpu_recipe
         "--hardware",
         no_disk,
         env={
-            "LFA_INJECT_OOM_ABOVE_MBS": "4",
-            "LFA_INJECT_OOM_MESSAGE": SEED_OOM,
-            "LFA_EMULATE_MODEL": "LLM4Binary/llm4decompile-6.7b-v2",
+            contract.INJECT_OOM_ABOVE_MBS: "4",
+            contract.INJECT_OOM_MESSAGE: SEED_OOM,
+            contract.EMULATE_MODEL: "LLM4Binary/llm4decompile-6.7b-v2",
         },
     )
     attempts = _ledger(tmp_path / "run")["attempts"]
@@ -248,7 +249,7 @@ def test_set_on_plan_keys_feeds_the_plan_that_remedies_start_from(cpu_recipe, tm
         "per_device_train_batch_size=4",
         "--set",
         "gradient_accumulation_steps=2",
-        env={"LFA_INJECT_OOM_ABOVE_MBS": "2"},
+        env={contract.INJECT_OOM_ABOVE_MBS: "2"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     attempts = _ledger(tmp_path / "run")["attempts"]

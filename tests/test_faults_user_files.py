@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _events, _ledger, _start_train, _wait_for, run_lfa
+from lf_adapter.plugin import contract
 
 
 def _tree_digest(folder: Path) -> dict:
@@ -104,7 +105,7 @@ def test_bad_dataset_lines_are_named_before_anything_starts_in_train_and_detach(
 def test_a_held_run_refuses_detach_and_an_edited_recipe_is_not_resumed_silently(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=200", extra=("--save-steps", "3", "--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+    supervisor = _start_train(recipe, run_dir, {contract.STEP_DELAY_S: "0.2"})
     assert _wait_for(lambda: any(e["event"] == "save" for e in _events(run_dir))), supervisor.communicate()[0]
     detached = run_lfa("train", recipe, "--run-dir", run_dir, "--detach")
     assert detached.returncode == 2 and "in use by" in detached.stderr and "started run" not in detached.stdout
@@ -197,7 +198,7 @@ def test_a_full_disk_under_the_run_folder_loses_log_lines_not_the_training_and_t
         pytest.skip("cannot mount a tmpfs here (needs root); the full-disk case runs where it can")
     try:
         recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "1"))
-        supervisor = _start_train(recipe, run_dir, {"LFA_STEP_DELAY_S": "0.2"})
+        supervisor = _start_train(recipe, run_dir, {contract.STEP_DELAY_S: "0.2"})
         assert _wait_for(lambda: sum(e["event"] == "step" for e in _events(run_dir)) >= 2), supervisor.communicate()[0]
         _fill(run_dir)
         out, _ = supervisor.communicate(timeout=300)

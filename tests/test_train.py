@@ -5,6 +5,7 @@ import json
 import os
 
 from conftest import _events, _ledger, _losses, _wait_for, run_lfa
+from lf_adapter.plugin import contract
 
 
 def test_sk2decompile_template_is_registered_and_ends_with_one_eos(demo_assets):
@@ -46,7 +47,7 @@ def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
 def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=400", extra=("--logging-steps", "1"))
     run_dir = tmp_path / "run"
-    started = run_lfa("train", recipe, "--run-dir", run_dir, "--detach", env={"LFA_STEP_DELAY_S": "0.2"})
+    started = run_lfa("train", recipe, "--run-dir", run_dir, "--detach", env={contract.STEP_DELAY_S: "0.2"})
     assert started.returncode == 0 and "lfa stop" in started.stdout, started.stderr
     recorded = json.loads((run_dir / "supervisor.pid").read_text())  # pid, start time, command line
     supervisor = recorded["pid"]

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from lf_adapter.plugin import contract
 
 
 def test_goldens_are_written_for_their_manifest_version_whatever_is_installed(monkeypatch):
@@ -124,7 +125,7 @@ def test_a_forks_own_sk2decompile_template_is_left_alone_and_encodes_like_lfas(d
         spec = yaml.safe_load((catalog_dir() / "chat" / "sk2decompile.yaml").read_text())
         (tmp_path / "chat").mkdir()
         (tmp_path / "chat" / "check.yaml").write_text(yaml.safe_dump({**spec, "name": "sk2decompile_lfa_check"}))
-        monkeypatch.setenv("LFA_CHAT_TEMPLATE_DIRS", str(tmp_path / "chat"))
+        monkeypatch.setenv(contract.CHAT_TEMPLATE_DIRS, str(tmp_path / "chat"))
         assert "sk2decompile_lfa_check" in hooks.register_chat_templates(lf_template)
         tokenizer = AutoTokenizer.from_pretrained(str(demo_assets[0]))
         rows = [json.loads(line) for line in Path(demo_assets[1]).read_text().splitlines()[:8]]
