@@ -99,6 +99,17 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
     assert none.returncode == 2 and "matches the pinned fields" in none.stderr
 
 
+@pytest.mark.parametrize(
+    "switch, pin", [("--no-padding-free", "padding_free=true"), ("--no-token-budget", "token_budget=8192"),
+                    ("--no-master-weights", "master_weights=true")],
+)  # fmt: skip
+def test_a_switch_and_a_pin_that_contradict_each_other_are_one_error(tmp_path, switch, pin):
+    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "h200", switch, "--pin", pin, "-o", tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{switch} and --pin {pin.split('=')[0]}=" in result.stderr and "contradict" in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_liger_never_meets_zero3_in_plans_or_retries():
     # liger's fused cross-entropy reads lm_head.weight directly; ZeRO-3 leaves it sharded (huggingface/trl#3368)
     from lf_adapter.run.monitor import classify

@@ -304,6 +304,20 @@ def _hyperparameters(request: GenerateRequest, task: TaskSpec) -> tuple[dict, di
     return hp, extra
 
 
+# the --no-X switches and the plan field each turns off
+SWITCHED_OFF = {
+    "padding_free": "--no-padding-free",
+    "token_budget": "--no-token-budget",
+    "master_weights": "--no-master-weights",
+}
+
+
+def _refuse_contradicting_switches(request: GenerateRequest, fixed: dict) -> None:
+    for field, switch in SWITCHED_OFF.items():
+        if not getattr(request, field) and fixed.get(field):
+            raise UserError(f"{switch} and --pin {field}={fixed[field]} contradict each other: drop one")
+
+
 def _dataset(
     request: GenerateRequest, task: TaskSpec, cutoff: int, shape_model: str
 ) -> tuple[str, float, DatasetProfile | None]:
@@ -366,6 +380,7 @@ def generate(request: GenerateRequest) -> Generated:
     )
     fixed = {"precision": request.precision} if request.precision else {}
     fixed.update(parse_pins(request.pins))
+    _refuse_contradicting_switches(request, fixed)
     margin = planning_margin(spec, hardware, request.use_measured)
     options = PlanOptions(
         headroom=margin.headroom,
