@@ -141,3 +141,20 @@ def test_a_resumed_run_loads_the_fp32_masters_and_trains_the_same_steps(tmp_path
     assert sorted(again) == [3, 4]
     first = _logged(out, "loss")
     assert all(again[s] == first[s] for s in again), (again, first)  # bf16-rounded masters would drift
+
+
+def test_a_model_already_in_16_bits_trains_as_it_is_with_a_message():
+    from types import SimpleNamespace
+
+    from lf_adapter.plugin.master_weights import why_not
+
+    args = SimpleNamespace(bf16=True, fp16=False, deepspeed=None, fsdp=None, world_size=1)
+    assert why_not(SimpleNamespace(args=args, model=_tiny_model())) is None
+    reason = why_not(SimpleNamespace(args=args, model=_tiny_model().to(torch.bfloat16)))
+    assert "16-bit already" in reason
+    assert "one process" in why_not(
+        SimpleNamespace(args=SimpleNamespace(**{**vars(args), "world_size": 2}), model=None)
+    )
+    assert "16-bit mixed precision" in why_not(
+        SimpleNamespace(args=SimpleNamespace(**{**vars(args), "bf16": False}), model=None)
+    )

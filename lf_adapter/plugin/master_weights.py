@@ -24,6 +24,10 @@ def why_not(trainer) -> str | None:
         return "a plain process: DeepSpeed and FSDP keep their own master weights"
     if args.world_size > 1:
         return "one process (DDP reduces the model's own gradients)"
+    import torch
+
+    if not any(p.requires_grad and p.dtype == torch.float32 for p in trainer.model.parameters()):
+        return "fp32 trainable weights to keep as masters (these are 16-bit already)"
     return None
 
 
@@ -34,7 +38,6 @@ class MasterWeights:
         import torch
 
         self.dtype = dtype or torch.bfloat16
-
         self.pairs = []
         seen = set()
         for param in model.parameters():
