@@ -100,7 +100,7 @@ def _single_process_states(model: ModelSpec, plan: Plan) -> dict[str, float]:
         }
     if plan.master_weights:  # lfa's plugin: the optimizer holds the fp32 masters, their gradients and Adam's m, v
         return {
-            "weights (bf16, in the model)": 2.0 * p,
+            f"weights ({plan.precision}, in the model)": 2.0 * p,
             "fp32 master weights (optimizer)": 4.0 * p,
             "gradients (fp32, the masters')": 4.0 * p,
             "optimizer (Adam m, v fp32)": 8.0 * p,
