@@ -312,10 +312,14 @@ SWITCHED_OFF = {
 }
 
 
-def _refuse_contradicting_switches(request: GenerateRequest, fixed: dict) -> None:
+def _pinned_fields(request: GenerateRequest) -> dict:
+    """The plan fields the user fixed (--precision, --pin); a --no-X switch and a pin turning X on are one error."""
+    fixed = {"precision": request.precision} if request.precision else {}
+    fixed.update(parse_pins(request.pins))
     for field, switch in SWITCHED_OFF.items():
         if not getattr(request, field) and fixed.get(field):
             raise UserError(f"{switch} and --pin {field}={fixed[field]} contradict each other: drop one")
+    return fixed
 
 
 def _dataset(
@@ -378,9 +382,7 @@ def generate(request: GenerateRequest) -> Generated:
     liger_ok = spec.arch in LIGER_MODEL_TYPES and (
         request.hardware != "detect" or versions.get("liger-kernel") is not None
     )
-    fixed = {"precision": request.precision} if request.precision else {}
-    fixed.update(parse_pins(request.pins))
-    _refuse_contradicting_switches(request, fixed)
+    fixed = _pinned_fields(request)
     margin = planning_margin(spec, hardware, request.use_measured)
     options = PlanOptions(
         headroom=margin.headroom,
