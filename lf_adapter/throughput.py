@@ -278,11 +278,17 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             )
             if applies
         ]
-        return "; ".join(
-            [
-                "throughput model fitted on H200 runs (bench/README.md): the default plans of 2026-12-04 within "
-                "-7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% (6.7B width), the 350M width +0.2%",
-                *caveats,
-            ]
+        measured = (
+            "the master-weights default plans of 2026-12-06 within +2.3% (6.7B) and -4.5% to -8.3% (1.3B at a "
+            "31.73 GiB cap)"
+            if plan.master_weights
+            else "the default plans of 2026-12-04 within -7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% "
+            "(6.7B width), the 350M width +0.2%"
+        )
+        return "; ".join([f"throughput model fitted on H200 runs (bench/README.md): {measured}", *caveats])
+    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's and session 26's rows
+        return (
+            f"{basis}; checked on the H100 SXM (bench/README.md, sessions 21-26): 18 runs of six families and the "
+            "1.3B/6.7B widths ran between 8.1% below and 6.8% above their prediction"
         )
     return basis + "; not measured on this GPU"
