@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from . import UserError
@@ -143,6 +144,16 @@ BUDGET_UNDER_ENGINE = (
 )
 
 
+RULED_OUT = ""  # the key of `forbidden` that counts the pinned plans a constraint ruled out
+
+
+def blocking_rules(forbidden: Counter) -> list[str]:
+    """The constraints every ruled-out plan broke (the pin's own conflict), else every one that was broken."""
+    reasons = {why: n for why, n in forbidden.items() if why != RULED_OUT}
+    every = [why for why, n in reasons.items() if n == forbidden[RULED_OUT]]
+    return sorted(every or reasons)
+
+
 def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: bool, pinned_budget: int | None):
     """(micro_batch_size, token_budget) pairs to price: fixed micro-batches of every power-of-two size, and token
     budgets of BUDGET_ROWS x cutoff_len; a budget's micro_batch_size is the largest fixed size within it (what
@@ -235,11 +246,12 @@ def candidate_plans(
     hardware: HardwareProfile,
     effective_batch: int,
     options: PlanOptions,
-    forbidden: set[str] | None = None,
+    forbidden: Counter | None = None,
     seq_len: int = 2048,
 ):
-    """Every plan worth pricing that matches the pinned fields; the constraints that ruled out plans matching the
-    pins are added to `forbidden` (their why), for the message when nothing is left."""
+    """Every plan worth pricing that matches the pinned fields; each constraint that ruled out a plan matching the
+    pins is counted in `forbidden` (by its why; RULED_OUT counts those plans), for the message when nothing is
+    left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
     _refuse_impossible_pins(model, world, effective_batch, options)
@@ -269,7 +281,7 @@ def candidate_plans(
     ):
         if budget and not STRATEGIES[stage or Sharding.NONE.value].token_budget:  # an engine owns accumulation
             if pinned_budget and forbidden is not None:
-                forbidden.add(BUDGET_UNDER_ENGINE)
+                forbidden.update([BUDGET_UNDER_ENGINE, RULED_OUT])
             continue
         if budget and (pack or optimizer == Optimizer.BADAM) and not pinned_budget:
             continue  # packed rows fill cutoff_len already; BAdam switches per step
@@ -304,7 +316,7 @@ def candidate_plans(
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
         if broken:
             if forbidden is not None:
-                forbidden.update(f"{c.rule}: {c.why}" for c in broken)
+                forbidden.update([RULED_OUT, *(f"{c.rule}: {c.why}" for c in broken)])
             continue
         yield plan
 
@@ -406,7 +418,7 @@ def plan(
         vram = options.vram_gib or hardware.gpu.vram_gib
     else:
         vram = hardware.ram_gib or None  # on CPU, host RAM
-    seen, candidates, forbidden = set(), [], set()
+    seen, candidates, forbidden = set(), [], Counter()
 
     def price(p: Plan) -> Candidate:
         return _price(
@@ -435,7 +447,7 @@ def plan(
         pinned = ", ".join(f"{k}={v}" for k, v in options.fixed.items())
         raise UserError(
             f"no plan for {model.name} on {hardware.name} matches the pinned fields ({pinned})"
-            + "".join(f"; {why}" for why in sorted(forbidden))
+            + "".join(f"; {why}" for why in blocking_rules(forbidden))
         )
     allowed = allowed_optimizers(options)
     fitting = [

@@ -162,3 +162,16 @@ def test_one_gpu_deepspeed_costs_what_the_h200_measured():
     reserved = [estimate(spec, p, 2048, h200.gpu.vram_gib).reserved_gib for p in plans]
     for predicted, measured in zip(reserved, [87.41, 103.29, 71.88]):
         assert abs(predicted / measured - 1) < 0.10
+
+
+def test_a_pin_no_plan_can_honour_names_the_rule_it_breaks_not_every_rule_nearby():
+    from lf_adapter import UserError
+
+    spec = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
+    with pytest.raises(UserError) as error:
+        plan(spec, load_profile("a40x4"), 64, 2048, PlanOptions(fixed={"master_weights": True}))
+    assert "master_weights_on_one_process" in str(error.value)
+    assert "liger_with_zero3" not in str(error.value) and "optimizer_change" not in str(error.value)
+    with pytest.raises(UserError, match="liger_with_zero3") as error:
+        plan(spec, load_profile("a40x4"), 64, 2048, PlanOptions(fixed={"sharding": "zero3", "liger": True}))
+    assert "master_weights" not in str(error.value)
