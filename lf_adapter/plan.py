@@ -210,3 +210,29 @@ class Plan:
         if self.launcher == "ray":
             parts.append("ray")
         return "/".join(parts)
+
+
+# the plan fields `lfa generate --pin FIELD=VALUE` fixes, their type, and what the help says of their values
+PINNABLE: dict[str, tuple[type, str]] = {
+    "micro_batch_size": (int, ""),
+    "gradient_checkpointing": (bool, ""),
+    "liger": (bool, ""),
+    "attention": (str, "|".join(ATTENTIONS)),
+    "deepspeed": (
+        str,
+        "|".join(n for n, s in STRATEGIES.items() if s.engine == "deepspeed" and s.proposed != "never") + "|none",
+    ),
+    "sharding": (str, "|".join(STRATEGIES)),
+    "offload": (str, "|".join(OFFLOADS)),
+    "optimizer": (str, "|".join(o.value for o in Optimizer) + ": all but adamw change what is trained"),
+    "alloc_conf": (str, "PYTORCH_CUDA_ALLOC_CONF, none: the default allocator"),
+    "padding_free": (bool, ""),
+    "token_budget": (int, "tokens per micro-batch, 0: fixed micro-batches"),
+    "checkpoint_layers": (int, "the first k decoder layers recompute, the rest keep their activations"),
+    "master_weights": (bool, "16-bit weights in the model, fp32 masters in the optimizer; one GPU"),
+}
+
+
+def pin_help() -> str:
+    fields = ", ".join(f"{name} ({note})" if note else name for name, (_, note) in PINNABLE.items())
+    return f"Fix a plan field the planner would choose: {fields}."

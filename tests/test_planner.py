@@ -175,3 +175,14 @@ def test_a_pin_no_plan_can_honour_names_the_rule_it_breaks_not_every_rule_nearby
     with pytest.raises(UserError, match="liger_with_zero3") as error:
         plan(spec, load_profile("a40x4"), 64, 2048, PlanOptions(fixed={"sharding": "zero3", "liger": True}))
     assert "master_weights" not in str(error.value)
+
+
+def test_the_pin_help_is_generated_from_the_pinnable_fields_and_the_vocabularies():
+    from lf_adapter.plan import PINNABLE, pin_help
+    from lf_adapter.strategy import OFFLOADS, STRATEGIES
+
+    text = pin_help()
+    assert all(name in text for name in PINNABLE)
+    assert f"sharding ({'|'.join(STRATEGIES)})" in text and f"offload ({'|'.join(OFFLOADS)})" in text
+    assert "zero1" not in text.split("deepspeed (")[1].split(")")[0]  # a stage lfa never plans is not offered
+    assert "master_weights" in run_lfa("generate", "--help").stdout

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from .. import UserError
+from ..plan import pin_help
 from ..recipe.keys import REPORT_TO
 from . import main, user_errors
 
@@ -77,12 +78,7 @@ def print_host(host) -> None:
     "pins",
     multiple=True,
     metavar="FIELD=VALUE",
-    help="Fix a plan field the planner would choose: micro_batch_size, gradient_checkpointing, liger, "
-    "attention, deepspeed (zero2|zero3|none), sharding (none|ddp|zero1|zero2|zero3|fsdp2), offload "
-    "(none|optimizer|all|nvme-optimizer|nvme-all), optimizer (adamw|adamw_8bit|badam: changes what is "
-    "trained), padding_free, token_budget (tokens per micro-batch, 0: fixed micro-batches), checkpoint_layers "
-    "(the first k decoder layers recompute, the rest keep activations), master_weights (16-bit weights in the "
-    "model, fp32 masters in the optimizer; bf16 or fp16 on one GPU), alloc_conf.",
+    help=pin_help(),
 )
 @click.option(
     "--allow-optimizer-change",

@@ -13,7 +13,7 @@ from ..data import DatasetProfile, profile_dataset
 from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
 from ..measured import planning_margin
 from ..model_spec import ModelSpec, load_model_spec
-from ..plan import LF_FLASH_ATTN, Plan
+from ..plan import LF_FLASH_ATTN, PINNABLE, Plan
 from ..plan_reasons import format_machine_options, machine_options
 from ..planner import NoPlanFits, PlanOptions, PlanResult, plan
 from ..quoting import comment_text
@@ -120,23 +120,6 @@ class Generated:
 # LLaMA-Factory keys the plan writes (recipe.keys.plan_keys and the optimizers' keys): --set may not change them
 PLAN_OWNED_KEYS = set(plan_keys(Plan("bf16", 1, 1))) | {key for keys in OPTIMIZER_KEYS.values() for key in keys}
 
-PINNABLE = {
-    "micro_batch_size": int,
-    "gradient_checkpointing": bool,
-    "liger": bool,
-    "attention": str,
-    "deepspeed": str,
-    "sharding": str,
-    "offload": str,
-    "optimizer": str,
-    "alloc_conf": str,
-    "padding_free": bool,
-    "token_budget": int,  # tokens per micro-batch (0: fixed micro-batches)
-    "checkpoint_layers": int,  # decoder layers checkpointed (the first k), with gradient checkpointing
-    "master_weights": bool,  # 16-bit weights in the model, fp32 masters in the optimizer (one process)
-}
-
-
 # what each task hyper-parameter must be; (type, lowest allowed value)
 HYPERPARAMETER_RULES = {
     "learning_rate": (float, 0.0),
@@ -181,8 +164,8 @@ def parse_pins(pins: tuple[str, ...]) -> dict:
         value = parse_value(raw)
         if key in ("deepspeed", "alloc_conf") and value in ("none", None, False):
             value = None
-        elif not isinstance(value, PINNABLE[key]):
-            kind = {int: "an integer", bool: "true or false", str: "a name"}[PINNABLE[key]]
+        elif not isinstance(value, PINNABLE[key][0]):
+            kind = {int: "an integer", bool: "true or false", str: "a name"}[PINNABLE[key][0]]
             raise UserError(f"--pin '{shown}': {key} takes {kind}")
         fixed[key] = value
     for key in ("token_budget", "checkpoint_layers", "micro_batch_size"):
