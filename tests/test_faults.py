@@ -104,7 +104,7 @@ def test_seed_oom_of_the_6_7b_paper_recipe_is_replanned_to_offload_on_attempt_2(
     text = re.sub(r"(?m)^per_device_train_batch_size: \d+", "per_device_train_batch_size: 8", recipe.read_text())
     text = re.sub(r"(?m)^gradient_accumulation_steps: \d+", "gradient_accumulation_steps: 8", text)
     recipe.write_text(re.sub(r"(?m)^fp16: false", "fp16: true", text))
-    profile = tmp_path / "v100-256g.yaml"  # the seed's RAM is unknown: 128 GiB fits no 6.7B plan (test_failures)
+    profile = tmp_path / "v100-256g.yaml"  # the seed's RAM is unknown: 128 GiB fits no 6.7B plan (test_remedies)
     profile.write_text(
         (REPO / "catalog" / "hardware" / "v100-32g.yaml").read_text().replace("ram_gib: 128", "ram_gib: 256")
     )

@@ -1,3 +1,6 @@
+"""`lfa generate` and the planner's defaults on the built-in profiles: precision, batch, recompute, packing,
+padding-free, token budgets, the rendered recipe, goldens, bad input, lfa detect, lfa diff of the plugin's settings."""
+
 import json
 
 import pytest

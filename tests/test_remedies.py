@@ -1,3 +1,6 @@
+"""Failure classes and remedies (run/monitor.py, run/remedies.py, catalog/failures): real error texts classified,
+the OOM, NaN and DeepSpeed ladders, re-planning after an OOM, lfa doctor and the divergence watch."""
+
 from pathlib import Path
 
 import pytest
