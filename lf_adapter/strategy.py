@@ -110,9 +110,9 @@ class Strategy:
     sixteen_bit_model: bool = False  # the engine holds 16-bit weights (fp32 master in its optimizer): no autocast
     host_load: HostLoad = "every rank"
     offloads: frozenset[str] = frozenset({"none"})  # Offload values it runs
-    # what the planner prices on one process unless the strategy is pinned: on one GPU ZeRO shards nothing and adds
-    # its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB died allocating a 25 GiB fp32 copy), so only
-    # its offloads are worth it
+    # the offloads the planner prices on one process (plus none when the strategy is pinned): on one GPU ZeRO shards
+    # nothing and adds its own flat buffers (a pinned mbs2 6.7B plan predicted 116 GiB died allocating a 25 GiB fp32
+    # copy), so only its offloads are worth it
     one_process_offloads: frozenset[str] = frozenset({"none"})
     # the name its rendered config gets beside the recipe where the name is fixed (DeepSpeed's names its stage and
     # offload: recipe.keys.deepspeed_file_name)
