@@ -45,6 +45,7 @@ def test_the_optimizer_steps_the_masters_and_the_model_gets_their_bf16_rounding(
     weights = MasterWeights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     weights.take_over(optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # wraps optimizer.step, as the trainer's
     for batch in _micro_batches():
         model(**batch).loss.backward()
     fp32 = [torch.nn.Parameter(m.detach().clone()) for m in weights.masters]
@@ -52,6 +53,7 @@ def test_the_optimizer_steps_the_masters_and_the_model_gets_their_bf16_rounding(
         p.grad = m.grad.clone()
     reference = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
     optimizer.step()
+    schedule.step()
     reference.step()
     for master, expected in zip(weights.masters, fp32):
         assert torch.equal(master, expected)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 
 from . import contract
 
@@ -61,13 +62,14 @@ class MasterWeights:
             group["params"] = [self.master_of.get(id(p), p) for p in group["params"]]
         original_step = optimizer.step
 
-        def step(*args, **kwargs):
+        def step(_optimizer, *args, **kwargs):
             result = original_step(*args, **kwargs)
             self.copy_to_model()
             self.zero_grad()
             return result
 
-        optimizer.step = step
+        # a bound method: torch's LR schedulers wrap optimizer.step through its __func__
+        optimizer.step = types.MethodType(step, optimizer)
 
     def zero_grad(self) -> None:
         for master in self.masters:
