@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lf_adapter.model_spec import _from_config_dict, load_model_spec  # noqa: E402
+from lf_adapter.plan import Plan  # noqa: E402
 from lf_adapter.plugin import contract  # noqa: E402
 
 CAP_GIB = 31.73
@@ -100,17 +101,18 @@ SAME_PLAN_AS = {"h200_master_same": "h200", "capped_master_same": "capped"}  # l
 
 def pins_of_plan(label: str) -> list[str]:
     """`lfa generate` pins that rebuild a plan label's shape (e.g. bf16/mbs8xga8x1/nogc/liger/sdpa/tb16384)."""
-    parts = label.split("/")
-    mbs = re.fullmatch(r"mbs(\d+)xga\d+x\d+", parts[1])
-    pins = [f"micro_batch_size={mbs[1]}", f"liger={'liger' in parts}", f"padding_free={'padfree' in parts}"]
-    pins.append(f"attention={next(a for a in ('sdpa', 'fa2', 'fa3', 'eager') if a in parts)}")
-    recompute = parts[2]
-    pins.append(f"gradient_checkpointing={recompute != 'nogc'}")
-    if recompute.startswith("gc") and recompute != "gc":
-        pins.append(f"checkpoint_layers={recompute[2:]}")
-    budget = next((x[2:] for x in parts if re.fullmatch(r"tb\d+", x)), "0")
-    pins.append(f"token_budget={budget}")
-    return [x for pin in pins for x in ("--pin", pin)]
+    plan = Plan.from_label(label)
+    pins = {
+        "micro_batch_size": plan.micro_batch_size,
+        "liger": plan.liger,
+        "padding_free": plan.padding_free,
+        "attention": plan.attention,
+        "gradient_checkpointing": plan.gradient_checkpointing,
+        "token_budget": plan.token_budget,
+    }
+    if plan.checkpoint_layers is not None:
+        pins["checkpoint_layers"] = plan.checkpoint_layers
+    return [x for field, value in pins.items() for x in ("--pin", f"{field}={str(value).lower()}")]
 
 
 def build_assets(assets: Path, model_dir: str) -> None:
