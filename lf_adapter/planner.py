@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import Counter
 from dataclasses import dataclass, field
 
 from . import UserError
@@ -144,14 +143,11 @@ BUDGET_UNDER_ENGINE = (
 )
 
 
-RULED_OUT = ""  # the key of `forbidden` that counts the pinned plans a constraint ruled out
-
-
-def blocking_rules(forbidden: Counter) -> list[str]:
+def blocking_rules(ruled_out: list[frozenset[str]]) -> list[str]:
     """The constraints every ruled-out plan broke (the pin's own conflict), else every one that was broken."""
-    reasons = {why: n for why, n in forbidden.items() if why != RULED_OUT}
-    every = [why for why, n in reasons.items() if n == forbidden[RULED_OUT]]
-    return sorted(every or reasons)
+    if not ruled_out:
+        return []
+    return sorted(frozenset.intersection(*ruled_out) or frozenset.union(*ruled_out))
 
 
 def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: bool, pinned_budget: int | None):
@@ -246,12 +242,11 @@ def candidate_plans(
     hardware: HardwareProfile,
     effective_batch: int,
     options: PlanOptions,
-    forbidden: Counter | None = None,
+    forbidden: list[frozenset[str]] | None = None,
     seq_len: int = 2048,
 ):
-    """Every plan worth pricing that matches the pinned fields; each constraint that ruled out a plan matching the
-    pins is counted in `forbidden` (by its why; RULED_OUT counts those plans), for the message when nothing is
-    left."""
+    """Every plan worth pricing that matches the pinned fields; each plan matching the pins that constraints ruled
+    out adds the set of their whys to `forbidden`, for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
     _refuse_impossible_pins(model, world, effective_batch, options)
@@ -281,7 +276,7 @@ def candidate_plans(
     ):
         if budget and not STRATEGIES[stage or Sharding.NONE.value].token_budget:  # an engine owns accumulation
             if pinned_budget and forbidden is not None:
-                forbidden.update([BUDGET_UNDER_ENGINE, RULED_OUT])
+                forbidden.append(frozenset({BUDGET_UNDER_ENGINE}))
             continue
         if budget and (pack or optimizer == Optimizer.BADAM) and not pinned_budget:
             continue  # packed rows fill cutoff_len already; BAdam switches per step
@@ -316,7 +311,7 @@ def candidate_plans(
         broken = violations(plan)  # strategy.CONSTRAINTS, e.g. liger with ZeRO-3
         if broken:
             if forbidden is not None:
-                forbidden.update([RULED_OUT, *(f"{c.rule}: {c.why}" for c in broken)])
+                forbidden.append(frozenset(f"{c.rule}: {c.why}" for c in broken))
             continue
         yield plan
 
@@ -418,7 +413,7 @@ def plan(
         vram = options.vram_gib or hardware.gpu.vram_gib
     else:
         vram = hardware.ram_gib or None  # on CPU, host RAM
-    seen, candidates, forbidden = set(), [], Counter()
+    seen, candidates, forbidden = set(), [], []
 
     def price(p: Plan) -> Candidate:
         return _price(
