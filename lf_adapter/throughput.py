@@ -24,9 +24,10 @@ def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) ->
     gpu = hardware.gpu
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     updated = badam_block_params(model) if plan.optimizer == Optimizer.BADAM else partition  # BAdam steps one block
-    seconds = t["optimizer_bytes_per_param"] * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
+    hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
+    seconds = t["optimizer_bytes_per_param"] * updated / hbm
     if plan.master_weights:
-        seconds += MASTER_COPY_BACK_BYTES_PER_PARAM * updated / (max(gpu.hbm_tbps, 0.5) * 1e12)
+        seconds += MASTER_COPY_BACK_BYTES_PER_PARAM * updated / hbm
     if plan.offloads_to_nvme:
         seconds += nvme_step_s(model, plan, hardware)
     if plan.offloads_optimizer:  # CPU Adam over the partition; 16-bit gradients down and parameters back up
@@ -93,17 +94,18 @@ def predict_tokens_per_s(
         gpu_s += fused_loss_walk_s(model, plan, padded_tokens, rate, gpu.hbm_tbps)
     elif plan.precision != "fp32":
         gpu_s += unfused_loss_walk_s(model, padded_tokens, gpu.hbm_tbps)
+    hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
     if plan.master_weights:
-        gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / (max(gpu.hbm_tbps, 0.5) * 1e12)
+        gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / hbm
         # the rates were fitted under autocast, whose residual stream is fp32: a 16-bit model does not move those
         # bytes (per token, hidden unit and layer; the forward, the recompute and the backward together)
         residual = t["autocast_residual_bytes"] * padded_tokens * model.hidden_size * model.num_layers
-        saved_s = residual * (1.0 + recomputed / 3.0) / (max(gpu.hbm_tbps, 0.5) * 1e12)
+        saved_s = residual * (1.0 + recomputed / 3.0) / hbm
         gpu_s -= min(saved_s, gpu_s / 2)  # narrow models: never more than half (the 1.3B's elementwise was 23%)
     elif not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
-        gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / (max(gpu.hbm_tbps, 0.5) * 1e12)
+        gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / hbm
     cpu_s = t["launch_s_per_layer"] * model.num_layers * (1.0 + (t["checkpointing_launch_factor"] - 1.0) * recomputed)
     zero3_fetch_s = 0.0  # ZeRO-3 / FSDP2 gather every layer's 16-bit parameters for the forward and the backward
     if plan.shards_parameters:  # per-module hooks cost time even when there is nothing to gather

@@ -58,6 +58,14 @@ def _repeated(name: str, values: tuple[str, ...]) -> list[str]:
     return [x for value in values for x in (name, value)]
 
 
+# the --no-X switches and the request (and plan) field each turns off
+SWITCHED_OFF = {
+    "padding_free": "--no-padding-free",
+    "token_budget": "--no-token-budget",
+    "master_weights": "--no-master-weights",
+}
+
+
 @dataclass
 class GenerateRequest:
     task: str
@@ -94,9 +102,9 @@ class GenerateRequest:
             "--task", self.task, *_flag("--model", self.model), *_flag("--dataset", self.dataset),
             *_flag("--template", self.template), "--hardware", self.hardware, *_flag("--gpus", self.gpus),
             *_flag("--precision", self.precision), *_switch("--allow-packing", self.allow_packing),
-            *_switch("--no-sorted-steps", not self.sort_steps), *_switch("--no-padding-free", not self.padding_free),
-            *_switch("--no-token-budget", not self.token_budget),
-            *_switch("--no-master-weights", not self.master_weights), *_repeated("--pin", self.pins),
+            *_switch("--no-sorted-steps", not self.sort_steps),
+            *(x for field, switch in SWITCHED_OFF.items() for x in _switch(switch, not getattr(self, field))),
+            *_repeated("--pin", self.pins),
             *_switch("--allow-optimizer-change", self.allow_optimizer_change), *_flag("--nvme-path", self.nvme_path),
             *_flag("--launcher", self.launcher if self.launcher != "torchrun" else None),
             *_flag("--llamafactory-version", self.llamafactory_version), *_repeated("--set", self.sets),
@@ -285,14 +293,6 @@ def _hyperparameters(request: GenerateRequest, task: TaskSpec) -> tuple[dict, di
             "--pin optimizer=...; the rows per step: --effective-batch)"
         )
     return hp, extra
-
-
-# the --no-X switches and the plan field each turns off
-SWITCHED_OFF = {
-    "padding_free": "--no-padding-free",
-    "token_budget": "--no-token-budget",
-    "master_weights": "--no-master-weights",
-}
 
 
 def _pinned_fields(request: GenerateRequest) -> dict:
