@@ -3,14 +3,13 @@ optimizer step's master gradient is the fp32 sum of the micro-batches' bf16 grad
 would step fp32 weights with those gradients, the model gets their bf16 rounding, and checkpoints hold the masters."""
 
 import copy
-import json
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from test_padding_free import _padded_batch, _tiny_model  # noqa: E402
 
-from conftest import _ledger, run_lfa  # noqa: E402
+from conftest import _events, _ledger, run_lfa  # noqa: E402
 from lf_adapter.plugin.master_weights import MasterWeights  # noqa: E402
 
 
@@ -91,9 +90,8 @@ def _train(tmp_path, demo_assets, name, *extra, precision="bf16"):
     return out, result
 
 
-def _logged(out, key):
-    events = [json.loads(line) for line in (out / "run" / "events.jsonl").read_text().splitlines()]
-    return {e["global_step"]: e[key] for e in events if e.get("event") == "log" and key in e}
+def _logged(run_dir, key):
+    return {e["global_step"]: e[key] for e in _events(run_dir) if e.get("event") == "log" and key in e}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -111,7 +109,7 @@ def test_a_recipe_with_master_weights_trains_as_the_autocast_recipe_does(tmp_pat
     autocast, result = _train(tmp_path, demo_assets, "autocast", precision=precision)
     assert result.returncode == 0, result.stdout + result.stderr
     for key, tolerance in (("loss", 1e-3), ("grad_norm", 1e-2)):
-        ours, theirs = _logged(master, key), _logged(autocast, key)
+        ours, theirs = _logged(master / "run", key), _logged(autocast / "run", key)
         assert sorted(ours) == [1, 2, 3, 4]
         assert all(abs(ours[s] - theirs[s]) <= tolerance * abs(theirs[s]) for s in ours), (key, ours, theirs)
     with safe_open(str(master / "saves" / "pseudo2norm" / "model.safetensors"), "pt") as f:
@@ -138,10 +136,9 @@ def test_a_resumed_run_loads_the_fp32_masters_and_trains_the_same_steps(tmp_path
         "--set", "output_dir=saves/resumed",
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    events = [json.loads(line) for line in (out / "resumed" / "events.jsonl").read_text().splitlines()]
-    again = {e["global_step"]: e["loss"] for e in events if e.get("event") == "log" and "loss" in e}
+    again = _logged(out / "resumed", "loss")
     assert sorted(again) == [3, 4]
-    first = _logged(out, "loss")
+    first = _logged(out / "run", "loss")
     assert all(again[s] == first[s] for s in again), (again, first)  # bf16-rounded masters would drift
 
 

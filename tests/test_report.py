@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_lfa
+from conftest import _events, run_lfa
 from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
 from lf_adapter.run.process import process_record
 from lf_adapter.run.report import FIGURES, collect, summary_lines, write_report
@@ -289,11 +289,7 @@ def test_a_kernel_profile_reaches_the_summary_and_the_page(tmp_path, cpu_recipe)
     recipe = cpu_recipe("max_steps=5", "logging_steps=1", "output_dir=saves/profiled")
     result = run_lfa("train", recipe, "--run-dir", tmp_path / "profiled", "--kernel-profile")
     assert result.returncode == 0, result.stdout + result.stderr
-    event = next(
-        json.loads(line)
-        for line in (tmp_path / "profiled" / "events.jsonl").read_text().splitlines()
-        if '"kernels"' in line
-    )
+    event = next(e for e in _events(tmp_path / "profiled") if e.get("event") == "kernels")
     assert event["device"] == "cpu" and (event["first_step"], event["last_step"]) == (3, 4)
     assert event["kinds_s"]["GEMMs"] > 0 and event["kinds_s"]["attention"] > 0
     assert sum(event["kinds_s"].values()) <= event["window_s"] * 1.01  # operators counted once, not nested

@@ -501,14 +501,17 @@ def kernel_profile(report: RunReport) -> dict | None:
     n, k = measured[-1]
     wall = k["window_s"]
     on_gpu = k.get("device", "cuda") == "cuda"
-    idle = "GPU idle (no kernel running)" if on_gpu else "outside operators (Python, data loading)"
+    idle, idle_why = ("GPU idle", "no kernel running") if on_gpu else ("outside operators", "Python, data loading")
     rows = [(kind, seconds, seconds / wall) for kind, seconds in k["kinds_s"].items()]
-    rows.append((idle, k["gpu_idle_s"], k["gpu_idle_s"] / wall))
+    rows.append((f"{idle} ({idle_why})", k["gpu_idle_s"], k["gpu_idle_s"] / wall))
+    source = "GPU kernels" if on_gpu else "CPU operators"
     return {
         "attempt": n,
         "steps": f"{k['first_step']}-{k['last_step']}",
         "window_s": wall,
-        "what": "GPU kernels" if on_gpu else "CPU operators (each without the operators it calls)",
+        "source": source,
+        "what": source if on_gpu else f"{source} (each without the operators it calls)",
+        "idle": idle,
         "rows": rows,
         "top": k.get("top_kernels") or [],
     }
@@ -520,11 +523,11 @@ def kernel_line(report: RunReport) -> str | None:
     if profile is None:
         return None
     parts = [f"{kind} {share:.0%}" for kind, _, share in profile["rows"][:-1] if share >= 0.05]
-    idle = profile["rows"][-1]
+    idle_share = profile["rows"][-1][2]
     return (
-        f"steps {profile['steps']} of attempt {profile['attempt']} ({profile['what'].split(' (')[0]}): "
+        f"steps {profile['steps']} of attempt {profile['attempt']} ({profile['source']}): "
         + ", ".join(parts)
-        + f"; {idle[0].split(' (')[0]} {idle[2]:.0%}"
+        + f"; {profile['idle']} {idle_share:.0%}"
     )
 
 
