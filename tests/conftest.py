@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lf_adapter import measured
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ def run_lfa(*args, cwd=None, env=None, timeout=600):
 @pytest.fixture(autouse=True, scope="session")
 def _measured_peaks_in_a_test_folder(tmp_path_factory):
     """What lfa train measures goes to lfa's cache folder: in tests a fresh one, never the user's."""
-    os.environ["LFA_CACHE_DIR"] = str(tmp_path_factory.mktemp("lfa-cache"))
+    os.environ[measured.CACHE_DIR] = str(tmp_path_factory.mktemp("lfa-cache"))
 
 
 @pytest.fixture(scope="session")

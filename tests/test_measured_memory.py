@@ -4,6 +4,7 @@ a peak lfa train measured above the prediction is a warning that the next lfa ge
 import json
 
 from conftest import _ledger, run_lfa
+from lf_adapter import measured
 from lf_adapter.plugin import contract
 
 
@@ -33,7 +34,7 @@ def test_a_peak_above_the_prediction_warns_and_the_next_generate_plans_from_it(c
     recipe = cpu_recipe("max_steps=3", extra=("--logging-steps", "1"))
     predicted = _meta(recipe)["predicted_reserved_gib"]
     cache = tmp_path / "cache"
-    env = {contract.INJECT_PEAK_GIB: str(round(predicted * 1.25, 3)), "LFA_CACHE_DIR": str(cache)}
+    env = {contract.INJECT_PEAK_GIB: str(round(predicted * 1.25, 3)), measured.CACHE_DIR: str(cache)}
     run_dir = tmp_path / "run"
     trained = run_lfa("train", recipe, "--run-dir", run_dir, env=env)
     assert trained.returncode == 0, trained.stdout + trained.stderr
@@ -51,14 +52,14 @@ def test_a_peak_above_the_prediction_warns_and_the_next_generate_plans_from_it(c
     model, data = demo_assets
     again = run_lfa("generate", "--task", "pseudo2norm", "--model", model, "--dataset", data, "--hardware", "cpu",
                     "--set", "effective_batch_size=8", "--set", "learning_rate=1.0e-3", "--set", "cutoff_len=512",
-                    "-o", tmp_path / "again", env={"LFA_CACHE_DIR": str(cache)})  # fmt: skip
+                    "-o", tmp_path / "again", env={measured.CACHE_DIR: str(cache)})  # fmt: skip
     assert again.returncode == 0, again.stderr
     text = (tmp_path / "again" / "train.yaml").read_text()
     assert "# memory model: planned from a measured peak" in text and f"+{over}" in text
     assert _meta(tmp_path / "again" / "train.yaml")["predicted_reserved_gib"] > predicted
     # within 3% of the prediction nothing is said or stored
     quiet = tmp_path / "quiet-cache"
-    env = {contract.INJECT_PEAK_GIB: str(round(predicted * 1.02, 3)), "LFA_CACHE_DIR": str(quiet)}
+    env = {contract.INJECT_PEAK_GIB: str(round(predicted * 1.02, 3)), measured.CACHE_DIR: str(quiet)}
     other = cpu_recipe("max_steps=3", name="calm", extra=("--logging-steps", "1"))
     calm = run_lfa("train", other, "--run-dir", tmp_path / "run2", env=env)
     assert calm.returncode == 0 and "WARNING" not in calm.stdout and not quiet.exists()
