@@ -105,6 +105,24 @@ def test_saved_tensors_follow_the_architecture():
     assert "the fused q/k/v output (v's storage)" in tensors
 
 
+def test_k_and_v_repeated_to_the_query_heads_are_priced_where_the_attention_repeats_them():
+    from dataclasses import replace
+
+    from lf_adapter.memory import _layer_bytes_per_token
+    from lf_adapter.saved_tensors import saved_tensors_per_token
+
+    llama = load_model_spec("meta-llama/Llama-3.2-3B")  # 24 query heads, 8 key-value heads
+    q, kv = llama.num_heads * llama.head_dim, llama.num_kv_heads * llama.head_dim
+    kept, repeated = (sum(saved_tensors_per_token(llama, True, True, r).values()) for r in (False, True))
+    assert repeated - kept == 2.0 * 2 * (q - kv)  # 16-bit k and v at the query heads' width
+    mha = replace(llama, num_kv_heads=llama.num_heads)
+    assert len({sum(saved_tensors_per_token(mha, True, True, r).values()) for r in (False, True)}) == 1
+    varlen, padded = (
+        Plan.from_label(f"bf16/mbs8xga8x1/nogc/liger/sdpa/master{suffix}/tb16384") for suffix in ("/padfree", "")
+    )
+    assert _layer_bytes_per_token(llama, varlen, 2048) - _layer_bytes_per_token(llama, padded, 2048) == repeated - kept
+
+
 def _gemma2_capped_plan(attention: str) -> Plan:
     return _offload_plan(16, 4, padding_free=False, checkpoint_layers=24, attention=attention)
 
