@@ -26,4 +26,3 @@ INJECT_NAN_AT_STEP = "LFA_INJECT_NAN_AT_STEP"
 STEP_DELAY_S = "LFA_STEP_DELAY_S"
 INJECT_PEAK_GIB = "LFA_INJECT_PEAK_GIB"  # report this GPU peak (GiB) where there is no GPU
 BENCH_SKIP_FINAL_SAVE = "LFA_BENCH_SKIP_FINAL_SAVE"
-COMPILE_LAYERS = "LFA_COMPILE_LAYERS"  # "1": torch.compile each decoder layer (a bench experiment, never planned)

@@ -146,20 +146,6 @@ def checkpoint_first_layers(model, k: int) -> tuple[int, int] | None:
     return min(k, len(layers)), len(layers)
 
 
-def compile_decoder_layers(model) -> int:
-    """torch.compile every decoder layer in place (dynamic shapes: token-budget micro-batches vary in length); the
-    number compiled. One compiled graph serves all layers of a kind, so dynamo's per-code cache is raised."""
-    import torch
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
-    for layer in layers:
-        layer.compile(dynamic=True)
-    return len(layers)
-
-
 def _padding_free_usable(model) -> str | None:
     """Why padding-free cannot train exactly and fast here (None: it can). On a CUDA GPU it needs torch's varlen
     flash attention (torch >= 2.10, sm80+); the per-row reference path is for CPUs."""
@@ -284,8 +270,6 @@ def _set_up_model(model) -> None:
             "checkpointing on: LLaMA-Factory's setting stays",
             flush=True,
         )
-    if os.environ.get(contract.COMPILE_LAYERS) == "1":
-        print(f"lfa: torch.compile: {compile_decoder_layers(model)} decoder layers (dynamic shapes)", flush=True)
 
 
 def _skip_final_save(trainer_class) -> None:
