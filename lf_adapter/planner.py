@@ -165,11 +165,27 @@ def micro_batch_shapes(effective_batch: int, world: int, seq_len: int, budgets: 
     return shapes
 
 
-def _refuse_impossible_pins(model: ModelSpec, world: int, effective_batch: int, options: PlanOptions) -> None:
+def _refuse_impossible_pins(
+    model: ModelSpec, hardware: HardwareProfile, effective_batch: int, options: PlanOptions
+) -> None:
     """Pins no plan can honour, and a batch the GPUs cannot split, stop with the reason."""
+    world = hardware.world_size
     pinned_sharding = options.fixed.get("sharding")
     if pinned_sharding in NOT_PLANNED:
         raise UserError(f"--pin sharding={pinned_sharding}: {NOT_PLANNED[pinned_sharding]}")
+    if not hardware.has_gpu:
+        engines = {f: options.fixed[f] for f in ("sharding", "deepspeed") if options.fixed.get(f) in STRATEGIES}
+        for pin_field, value in engines.items():
+            if STRATEGIES[value].engine != "none":
+                raise UserError(
+                    f"--pin {pin_field}={value}: its engine ({STRATEGIES[value].engine}) needs CUDA GPUs and "
+                    f"{hardware.name} has none (on the CPU lfa trains one fp32 process)"
+                )
+        if options.fixed.get("offload", Offload.NONE.value) != Offload.NONE.value:
+            raise UserError(
+                f"--pin offload={options.fixed['offload']}: offload is DeepSpeed's, which needs CUDA GPUs, and "
+                f"{hardware.name} has none"
+            )
     if options.fixed.get("checkpoint_layers", 0) > model.num_layers:
         raise UserError(
             f"--pin checkpoint_layers={options.fixed['checkpoint_layers']}: {model.name} has {model.num_layers} "
@@ -249,7 +265,7 @@ def candidate_plans(
     out adds the set of their whys to `forbidden`, for the message when nothing is left."""
     precision = options.fixed.get("precision") or pick_precision(hardware)[0]
     world = hardware.world_size
-    _refuse_impossible_pins(model, world, effective_batch, options)
+    _refuse_impossible_pins(model, hardware, effective_batch, options)
     on_cpu = not hardware.has_gpu
     packing = [True, False] if options.allow_packing else [False]
     liger, attention, padding_free = _kernel_choices(model, hardware, options, seq_len)

@@ -96,7 +96,8 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
         "-o",
         tmp_path / "none",
     )
-    assert none.returncode == 2 and "matches the pinned fields" in none.stderr
+    assert none.returncode == 2 and "deepspeed=zero2: its engine (deepspeed) needs CUDA GPUs" in none.stderr
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize(
@@ -175,6 +176,23 @@ def test_a_pin_no_plan_can_honour_names_the_rule_it_breaks_not_every_rule_nearby
     with pytest.raises(UserError, match="liger_with_zero3") as error:
         plan(spec, load_profile("a40x4"), 64, 2048, PlanOptions(fixed={"sharding": "zero3", "liger": True}))
     assert "master_weights" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "pins, reason",
+    [
+        ({"sharding": "zero2"}, "--pin sharding=zero2: its engine (deepspeed) needs CUDA GPUs and cpu has none"),
+        ({"deepspeed": "zero3"}, "--pin deepspeed=zero3: its engine (deepspeed) needs CUDA GPUs and cpu has none"),
+        ({"offload": "optimizer"}, "--pin offload=optimizer: offload is DeepSpeed's, which needs CUDA GPUs"),
+    ],
+)
+def test_a_gpu_engine_pinned_on_the_cpu_is_refused_with_the_reason(pins, reason):
+    from lf_adapter import UserError
+
+    spec = load_model_spec("LLM4Binary/llm4decompile-6.7b-v2")
+    with pytest.raises(UserError) as error:
+        plan(spec, load_profile("cpu"), 64, 2048, PlanOptions(fixed=pins))
+    assert reason in str(error.value)
 
 
 def test_the_pin_help_is_generated_from_the_pinnable_fields_and_the_vocabularies():
