@@ -229,9 +229,9 @@ def _layer_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     act = coefficients()["activation"]
     sixteen_bit_model = plan.sixteen_bit_model
     path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
-    kv_repeated = plan.padding_free or plan.attention == "eager"  # padding_free._repeat_kv, transformers' repeat_kv
+    attention = "varlen" if plan.padding_free else "eager" if plan.attention == "eager" else "sdpa"
     per_token_layer = act["saved_tensor_scale"][path] * sum(
-        saved_tensors_per_token(model, sixteen_bit_model, plan.liger, kv_repeated).values()
+        saved_tensors_per_token(model, sixteen_bit_model, plan.liger, attention).values()
     )
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already

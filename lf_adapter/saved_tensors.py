@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from .model_spec import ModelSpec
 
 SIXTEEN_BIT = 2.0
@@ -17,16 +19,21 @@ def _norm_bytes(model: ModelSpec, liger: bool, input_bytes: float) -> float:
     return FP32 + input_bytes
 
 
+# how the attention keeps its tensors: padded SDPA (k and v at the key-value heads' width, its output transposed
+# into a copy for o_proj), lfa's varlen path (k and v repeated to the query heads by padding_free._repeat_kv, its
+# [tokens, heads, dim] output is o_proj's input itself), eager (transformers' repeat_kv copies, a transposed copy)
+AttentionPath = Literal["sdpa", "varlen", "eager"]
+
+
 def saved_tensors_per_token(
-    model: ModelSpec, sixteen_bit_model: bool, liger: bool, kv_repeated: bool = False
+    model: ModelSpec, sixteen_bit_model: bool, liger: bool, attention: AttentionPath = "sdpa"
 ) -> dict[str, float]:
     """Bytes per token of each tensor one decoder layer keeps. Under autocast over fp32 weights (sixteen_bit_model
     False) the residual stream and the norms' outputs are fp32, and every linear reading them keeps its own 16-bit
-    cast of its input; a 16-bit model's linears share their 16-bit input. kv_repeated: the attention receives k and
-    v repeated to the query heads (lfa's varlen path and eager attention) and keeps those copies."""
+    cast of its input; a 16-bit model's linears share their 16-bit input."""
     h, f = model.hidden_size, model.intermediate_size
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    kv_kept = q if kv_repeated else kv
+    kv_kept = kv if attention == "sdpa" else q
     residual = SIXTEEN_BIT if sixteen_bit_model else FP32
     qkv_inputs = 1 if sixteen_bit_model else model.qkv_projections
     mlp_inputs = 1 if sixteen_bit_model else model.mlp_input_projections
@@ -34,9 +41,10 @@ def saved_tensors_per_token(
         "norms before attention and MLP (their inputs)": 2 * _norm_bytes(model, liger, residual) * h,
         "16-bit inputs of q/k/v": SIXTEEN_BIT * h * qkv_inputs,
         "attention kernel's q, k, v and output": SIXTEEN_BIT * (2 * q + 2 * kv_kept),
-        "o_proj input (the attention output, made contiguous)": SIXTEEN_BIT * q,
         "16-bit inputs of the MLP": SIXTEEN_BIT * h * mlp_inputs,
     }
+    if attention != "varlen":
+        tensors["o_proj input (the attention output, made contiguous)"] = SIXTEEN_BIT * q
     if model.qkv_projections == 1 and kv_kept == kv:  # v is a view into the fused q/k/v output, kept alive with it
         tensors["the fused q/k/v output (v's storage)"] = SIXTEEN_BIT * (q + kv)
     if model.qk_norm:  # applied to the 16-bit projections' outputs
