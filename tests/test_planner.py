@@ -17,8 +17,8 @@ from lf_adapter.recipe.render import render_deepspeed, yaml_scalar
 
 def test_capped_h200_plan_is_the_one_the_seed_benchmark_measured():
     # the plan bench/seed_scenario.py measures as "capped" (bench/README.md): padding-free, each step cut into
-    # micro-batches of 16,384 tokens, master weights, 21 of 24 layers recomputed (peaked 28.04 GiB, 0.7% above its
-    # prediction of 27.84, bench/README.md "Master weights", session 26)
+    # micro-batches of 16,384 tokens, master weights, 21 of 24 layers recomputed (peaked 28.04 GiB, 1.4% above its
+    # prediction of 27.66 since session 27; bench/README.md "Master weights", session 26)
     result = plan(
         load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"),
         load_profile("h200-capped-32g"),
