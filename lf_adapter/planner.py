@@ -173,13 +173,13 @@ def _refuse_impossible_pins(
     pinned_sharding = options.fixed.get("sharding")
     if pinned_sharding in NOT_PLANNED:
         raise UserError(f"--pin sharding={pinned_sharding}: {NOT_PLANNED[pinned_sharding]}")
-    if not hardware.has_gpu:
+    if not hardware.has_gpu:  # FSDP2 runs on CPUs (accelerate makes it DDP there): tests/test_distributed.py
         engines = {f: options.fixed[f] for f in ("sharding", "deepspeed") if options.fixed.get(f) in STRATEGIES}
         for pin_field, value in engines.items():
-            if STRATEGIES[value].engine != "none":
+            if STRATEGIES[value].engine == "deepspeed":
                 raise UserError(
-                    f"--pin {pin_field}={value}: its engine ({STRATEGIES[value].engine}) needs CUDA GPUs and "
-                    f"{hardware.name} has none (on the CPU lfa trains one fp32 process)"
+                    f"--pin {pin_field}={value}: DeepSpeed needs CUDA GPUs and {hardware.name} has none (on the CPU "
+                    "lfa trains in fp32 without it)"
                 )
         if options.fixed.get("offload", Offload.NONE.value) != Offload.NONE.value:
             raise UserError(

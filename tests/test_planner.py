@@ -96,7 +96,7 @@ def test_pins_fix_plan_fields_and_bad_pins_are_one_error(tmp_path):
         "-o",
         tmp_path / "none",
     )
-    assert none.returncode == 2 and "deepspeed=zero2: its engine (deepspeed) needs CUDA GPUs" in none.stderr
+    assert none.returncode == 2 and "deepspeed=zero2: DeepSpeed needs CUDA GPUs" in none.stderr
     assert not (tmp_path / "none").exists()
 
 
@@ -181,8 +181,8 @@ def test_a_pin_no_plan_can_honour_names_the_rule_it_breaks_not_every_rule_nearby
 @pytest.mark.parametrize(
     "pins, reason",
     [
-        ({"sharding": "zero2"}, "--pin sharding=zero2: its engine (deepspeed) needs CUDA GPUs and cpu has none"),
-        ({"deepspeed": "zero3"}, "--pin deepspeed=zero3: its engine (deepspeed) needs CUDA GPUs and cpu has none"),
+        ({"sharding": "zero2"}, "--pin sharding=zero2: DeepSpeed needs CUDA GPUs and cpu has none"),
+        ({"deepspeed": "zero3"}, "--pin deepspeed=zero3: DeepSpeed needs CUDA GPUs and cpu has none"),
         ({"offload": "optimizer"}, "--pin offload=optimizer: offload is DeepSpeed's, which needs CUDA GPUs"),
     ],
 )
