@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lf_adapter.measured import CACHE_DIR  # noqa: E402
 from lf_adapter.plugin import contract  # noqa: E402
 from seed_scenario import CAP_GIB, lfa, measure  # noqa: E402
 
@@ -183,7 +184,7 @@ def run_one(
     key = key or f"{name.split('/')[-1]}-{hardware}" + ("-pinned" if plan_args else "")
     folder, run_dir = work / key, work / "runs" / key
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", contract.BENCH_SKIP_FINAL_SAVE: "1"}
-    env["LFA_CACHE_DIR"] = str(work / "cache" / key)
+    env[CACHE_DIR] = str(work / "cache" / key)
     if capped:
         env[contract.EMULATE_VRAM_GIB] = str(CAP_GIB)
     if kernel_profile:  # the last step under the torch profiler, left out of the steady state

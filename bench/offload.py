@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from lf_adapter.plugin import contract  # noqa: E402
 from seed_scenario import CAP_GIB, build_assets, catalog_spec, lfa, steady_state  # noqa: E402
 
 # label -> (model folder under ASSETS, lfa generate --pin arguments)
@@ -138,11 +139,11 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
 
     model_dir, pins = RUNS[label]
     folder, run_dir = work / label, work / "runs" / label
-    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "LFA_BENCH_SKIP_FINAL_SAVE": "1"}
+    env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", contract.BENCH_SKIP_FINAL_SAVE: "1"}
     optimizer_run = label.startswith("opt_")
     capped = label.endswith("_capped")
     if capped:
-        env["LFA_EMULATE_VRAM_GIB"] = str(CAP_GIB)
+        env[contract.EMULATE_VRAM_GIB] = str(CAP_GIB)
     profile = "h200-capped-32g" if capped else str(big_ram_profile(work))
     (out / f"{label}.gen.log").unlink(missing_ok=True)
     lfa(
