@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lf_adapter.memory import estimate  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
+from lf_adapter.plugin import run_kernels  # noqa: E402
 from seed_scenario import catalog_spec  # noqa: E402
 
 RUNS = ["bench/results/h200_calibration_run1.json", "bench/results/h200_session10/calibration.json"]
@@ -124,7 +125,8 @@ def main() -> None:
             alloc_conf=plan.alloc_conf,
             deepspeed=plan.deepspeed and plan.deepspeed + ("" if plan.offload == "none" else "+off"),
         )
-        pred = estimate(spec_for(p["model"]), plan, 2048, None)
+        with run_kernels.measured_with(run_kernels.of_row(p)):  # the kernels it ran (before session 28: liger's own)
+            pred = estimate(spec_for(p["model"]), plan, 2048, None)
         expandable = p["alloc_conf"] == EXPANDABLE
         row = {
             **p,

@@ -43,7 +43,7 @@ if [ "$cmd" = zoo ]; then  # model_zoo.py builds each zoo model, runs it, delete
   # repeatable in one call (zoo ...; zoo ...): rows append to model_zoo.json, each invocation's logs get their own archive
   timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|h100|capped)|^model |Traceback|Error" | tee -a $OUT/zoo.txt
   n=1; while [ -e $OUT/zoo_logs_$n.tgz ]; do n=$((n + 1)); done
-  (cd $OUT && tar czf zoo_logs_$n.tgz *.log && rm -f *.log)
+  (cd $OUT && tar czf zoo_logs_$n.tgz *.log $(ls *.jsonl 2>/dev/null) && rm -f *.log *.jsonl)
 fi
 if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact token counts
   timeout ${BENCH_TIMEOUT:-560} python3 bench/memory_probe.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[a-z0-9-]+ +fp16|^label |Traceback|Error" | tee $OUT/probe.txt

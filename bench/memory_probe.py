@@ -95,6 +95,7 @@ def reprice(rows: list[dict]) -> None:
     from lf_adapter.memory import estimate
     from lf_adapter.model_spec import load_model_spec
     from lf_adapter.plan import Plan
+    from lf_adapter.plugin import run_kernels
 
     for r in rows:
         if not (r.get("plan") and r.get("peak_allocated_gib")):
@@ -102,7 +103,9 @@ def reprice(rows: list[dict]) -> None:
         spec = load_model_spec(r["model"])
         if r.get("vocab"):
             spec = replace(spec, vocab_size=r["vocab"])
-        est = estimate(spec, Plan.from_label(r["plan"], alloc_conf="expandable_segments:True"), CUTOFF, None)
+        plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
+        with run_kernels.measured_with(run_kernels.of_row(r)):  # the kernels it ran (before session 28: liger's own)
+            est = estimate(spec, plan, CUTOFF, None)
         r["now_allocated_gib"] = round(est.allocated_gib, 2)
         r["now_items_gib"] = {k: round(v, 2) for k, v in est.items.items()}
         r["now_error"] = round(r["peak_allocated_gib"] / est.allocated_gib - 1.0, 4)

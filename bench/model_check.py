@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lf_adapter.hardware import load_profile  # noqa: E402
 from lf_adapter.memory import coefficients  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
+from lf_adapter.plugin import run_kernels  # noqa: E402
 from lf_adapter.throughput import predict_tokens_per_s  # noqa: E402
 from seed_scenario import catalog_spec  # noqa: E402
 
@@ -79,9 +80,12 @@ def main() -> None:
             plan = plan_of(label, row)
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
-            predicted = predict_tokens_per_s(
-                spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
-            )
+            with run_kernels.measured_with(
+                run_kernels.of_row(row)
+            ):  # the kernels it ran (before session 28: liger's own)
+                predicted = predict_tokens_per_s(
+                    spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
+                )
             measured = row["steady_tokens_per_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
@@ -112,7 +116,8 @@ def width_check() -> None:
             plan = Plan(
                 "bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"], attention="sdpa"
             )
-            predicted = predict_tokens_per_s(spec_for(r["size"]), plan, h200, r["seq"], mean_fraction)
+            with run_kernels.measured_with(run_kernels.BEFORE):  # calibrate.py's runs ran liger's own chunks
+                predicted = predict_tokens_per_s(spec_for(r["size"]), plan, h200, r["seq"], mean_fraction)
             errors.setdefault(r["size"], []).append(predicted / r["tokens_per_s"] - 1)
         print(
             f"{Path(run).parent.name + '/' + Path(run).name:52s} "

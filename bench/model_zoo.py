@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lf_adapter.measured import CACHE_DIR  # noqa: E402
-from lf_adapter.plugin import contract  # noqa: E402
+from lf_adapter.plugin import contract, run_kernels  # noqa: E402
 from seed_scenario import CAP_GIB, lfa, measure  # noqa: E402
 
 # config.json shapes of the published checkpoints (the fields that set memory and speed; weights are random)
@@ -190,6 +190,7 @@ def run_one(
     if kernel_profile:  # the last step under the torch profiler, left out of the steady state
         env.update({contract.KERNEL_PROFILE: "1", contract.COMM_PROFILE_STEPS: f"{steps}-{steps}"})
     row = {"model": name, "model_type": ZOO[name]["model_type"], "hardware": profile}
+    row[run_kernels.ROW_KEY] = run_kernels.record(env)
     row["used_for_fit"] = False  # set by hand when a coefficient is fitted on this row
     gen_rc = lfa(
         "generate", "--task", "pseudo2norm", "--model", str(model_dir),
@@ -222,6 +223,8 @@ def run_one(
     )
     for i, attempt in enumerate(attempts, 1):
         shutil.copy(run_dir / attempt["log"], out / f"{key}-attempt-{i}.log")
+    if (run_dir / "events.jsonl").exists():  # per-step wall times and tokens, the kernel profile's window
+        shutil.copy(run_dir / "events.jsonl", out / f"{key}-events.jsonl")
     if attempts:
         measured = measure(
             folder / "train.yaml",
@@ -304,15 +307,17 @@ def reprice(rows: list[dict]) -> None:
             continue
         plan = Plan.from_label(r["plan"], alloc_conf="expandable_segments:True")
         model, hardware = load_model_spec(r["model"]), load_profile(r["hardware"])
-        memory = estimate(model, plan, 2048, hardware.gpu.vram_gib)
+        with run_kernels.measured_with(run_kernels.of_row(r)):
+            memory = estimate(model, plan, 2048, hardware.gpu.vram_gib)
+            fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
+            speed = predict_tokens_per_s(model, plan, hardware, 2048, fraction)
         r["repriced_reserved_gib"] = round(memory.reserved_gib, 2)
         if ran_out:
             r["repriced_fits"] = memory.fits
             continue
         r["repriced_error"] = round(r["peak_reserved_gib"] / r["repriced_reserved_gib"] - 1.0, 4)
         if r.get("steady_tokens_per_s"):
-            fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
-            r["repriced_tokens_per_s"] = round(predict_tokens_per_s(model, plan, hardware, 2048, fraction))
+            r["repriced_tokens_per_s"] = round(speed)
             r["repriced_speed_error"] = round(r["steady_tokens_per_s"] / r["repriced_tokens_per_s"] - 1.0, 4)
 
 

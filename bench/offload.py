@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from lf_adapter.plugin import contract  # noqa: E402
+from lf_adapter.plugin import contract, run_kernels  # noqa: E402
 from seed_scenario import CAP_GIB, build_assets, catalog_spec, lfa, steady_state  # noqa: E402
 
 # label -> (model folder under ASSETS, lfa generate --pin arguments)
@@ -256,7 +256,9 @@ def table(results: dict) -> None:
         per_rank = host.total_gib - launcher  # one rank on this node
         trainer = row.get("trainer_peak_rss_gib")
         tps = row.get("steady_tokens_per_s") if (row.get("steps_measured") or 0) >= 3 else None
-        pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 1475 / 2048)
+        with run_kernels.measured_with(run_kernels.of_row(row)):  # the kernels it ran (before session 28: liger's own)
+            pred_tps = predict_tokens_per_s(spec, plan, hardware, 2048, 1475 / 2048)
+            gpu = estimate(spec, plan.replace(alloc_conf="expandable_segments:True"), 2048, None).reserved_gib
         err = f"{per_rank / trainer - 1:+.1%}" if trainer else ("killed" if row.get("killed") else "-")
         terr = f"{pred_tps / tps - 1:+.1%}" if tps else "-"
         print(
@@ -264,7 +266,6 @@ def table(results: dict) -> None:
             f"{row.get('tree_peak_rss_gib') or 0:6.1f} {host.total_gib:6.1f} {tps or 0:7,.0f} {pred_tps:7,.0f} "
             f"{terr:>6s}"
         )
-        gpu = estimate(spec, plan.replace(alloc_conf="expandable_segments:True"), 2048, None).reserved_gib
         if row.get("peak_reserved_gib"):
             print(
                 f"{'':16s} GPU reserved {row['peak_reserved_gib']:.2f} GiB, predicted {gpu:.2f} "

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lf_adapter.model_spec import _from_config_dict, load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
-from lf_adapter.plugin import contract  # noqa: E402
+from lf_adapter.plugin import contract, run_kernels  # noqa: E402
 
 CAP_GIB = 31.73
 H200_PEAK = 989e12
@@ -335,6 +335,7 @@ def run_generated(
         "lfa_train_rc": rc,
         "attempts": len(attempts),
         "plan": attempts[0]["plan"],
+        run_kernels.ROW_KEY: run_kernels.record(env),
         "first_try_fit": attempts[0].get("failure") is None,
         "wall_s": round(time.time() - started, 1),
         "predicted_reserved_gib": meta.get("predicted_reserved_gib"),

@@ -12,6 +12,7 @@ from . import catalog_dir
 from .hardware import HardwareProfile
 from .model_spec import ModelSpec
 from .plan import Plan
+from .plugin import loss_chunks
 from .saved_tensors import saved_tensors_per_token
 from .strategy import Optimizer
 
@@ -393,11 +394,9 @@ def _liger_loss_bytes(model: ModelSpec, plan: Plan, tokens: int) -> float:
 
 
 def liger_loss_chunk_rows(model: ModelSpec, tokens: float) -> int:
-    """Rows of one chunk of liger's fused linear cross-entropy over a micro-batch of `tokens` (0.8.5,
-    ops/fused_linear_cross_entropy.py): tokens / ceil(V / h), up to a power of two, at most the tokens."""
-    tokens = max(1, math.ceil(tokens))
-    per_chunk = math.ceil(tokens / math.ceil(model.vocab_size / model.hidden_size))
-    return min(1 << max(0, per_chunk - 1).bit_length(), tokens)
+    """Rows of one chunk of liger's fused linear cross-entropy over a micro-batch of `tokens`, as lfa's plugin runs
+    it (plugin/loss_chunks.py: at least 2,048 rows where the micro-batch has them)."""
+    return loss_chunks.planned_chunk_rows(model.vocab_size, model.hidden_size, max(1, math.ceil(tokens)))
 
 
 def estimate(

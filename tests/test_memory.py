@@ -10,6 +10,7 @@ from conftest import REPO
 from lf_adapter.memory import coefficients, estimate, reduce_bucket_elements, stages_gradients_to_host
 from lf_adapter.model_spec import load_model_spec
 from lf_adapter.plan import Plan
+from lf_adapter.plugin import run_kernels
 
 QWEN3 = "Qwen/Qwen3-1.7B"
 
@@ -70,7 +71,8 @@ def test_the_probe_rows_are_priced_within_two_percent():
         mbs, ga = map(int, re.search(r"mbs(\d+)xga(\d+)", row["plan"]).groups())
         k = int(re.search(r"/gc(\d+)/", row["plan"]).group(1))
         plan = _offload_plan(mbs, ga, checkpoint_layers=None if k == spec.num_layers else k)
-        predicted = estimate(spec, plan, 2048, 139.0).allocated_gib
+        with run_kernels.measured_with(run_kernels.BEFORE):  # probed with liger's own chunks (session 19)
+            predicted = estimate(spec, plan, 2048, 139.0).allocated_gib
         assert abs(row["peak_allocated_gib"] / predicted - 1) < 0.02, row["label"]
 
 
@@ -154,7 +156,8 @@ def test_the_measured_eager_rows_are_priced_within_the_target():
     for row in eager:
         capped = "capped" in row["hardware"]
         plan = Plan.from_label(row["plan"], alloc_conf="expandable_segments:True")
-        predicted = estimate(load_model_spec(row["model"]), plan, 2048, 31.73 if capped else None).reserved_gib
+        with run_kernels.measured_with(run_kernels.of_row(row)):
+            predicted = estimate(load_model_spec(row["model"]), plan, 2048, 31.73 if capped else None).reserved_gib
         if not -0.05 <= row["peak_reserved_gib"] / predicted - 1 <= 0.03:
             outside.add(row["plan"])
     assert outside == known_outside
@@ -199,5 +202,6 @@ def test_the_measured_points_with_recompute_are_priced_within_two_percent():
     assert len(points) >= 8
     for r in points:
         plan = Plan(r["precision"], r["mbs"], r["ga"], liger=True, alloc_conf=r["alloc_conf"])
-        predicted = estimate(load_model_spec(sizes[r["model"]]), plan, 2048, None).allocated_gib
+        with run_kernels.measured_with(run_kernels.BEFORE):  # calibrated with liger's own chunks
+            predicted = estimate(load_model_spec(sizes[r["model"]]), plan, 2048, None).allocated_gib
         assert abs(r["allocated"] / predicted - 1) <= 0.02, r

@@ -17,6 +17,8 @@ CHAT_TEMPLATE_DIRS = "LFA_CHAT_TEMPLATE_DIRS"  # extra folders of chat templates
 REQUIRE_PLUGIN = "LFA_REQUIRE_PLUGIN"  # fail loudly when the plugin cannot load
 COMM_PROFILE_STEPS = "LFA_COMM_PROFILE_STEPS"  # "3-4" (default), "off": the communication profiler's window
 KERNEL_PROFILE = "LFA_KERNEL_PROFILE"  # "1": profile that window on one process too, GPU time by kernel kind
+FUSED_GATE_UP = "LFA_FUSED_GATE_UP"  # "0": liger's Phi-3 MLP as liger runs it (chunk copies), for comparison
+LOSS_CHUNK_ROWS = "LFA_LOSS_CHUNK_ROWS"  # N: liger's fused loss in chunks of at least N rows (unset 2048, "0" liger's)
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)
 EMULATE_MODEL = "LFA_EMULATE_MODEL"  # plan OOM recovery for this model's shape instead of the trained one

@@ -168,7 +168,7 @@ def _patch_sft_trainer(trainer_module) -> None:
     micro-batches (LFA_TOKEN_BUDGET), recompute of k layers (LFA_CHECKPOINT_LAYERS), master weights
     (LFA_MASTER_WEIGHTS) and per-step token counts for lfa's events."""
     from lf_adapter.plugin import callbacks as lfa_callbacks
-    from lf_adapter.plugin import master_weights
+    from lf_adapter.plugin import loss_chunks, master_weights
     from lf_adapter.plugin.token_budget import MICRO_BATCHES, split_rows, split_step
 
     trainer_class = trainer_module.CustomSeq2SeqTrainer
@@ -214,6 +214,10 @@ def _patch_sft_trainer(trainer_module) -> None:
         original_init(self, *args, **kwargs)
         _set_up_model(self.model)
         master_weights.set_up(self)
+        # a 16-bit lm_head (master weights): liger sums its gradient over the chunks in fp32, as over fp32 weights
+        done = loss_chunks.install(fp32_lm_head_gradient=getattr(self, "_lfa_master_weights", None) is not None)
+        if done:
+            print(f"lfa: liger's fused loss (where liger runs): {done}", flush=True)
 
     trainer_class.__init__ = __init__
     trainer_class._get_train_sampler = _get_train_sampler
@@ -248,10 +252,13 @@ def _sorted_step_sampler(trainer, dataset):
 
 
 def _set_up_model(model) -> None:
-    """Padding-free attention (LFA_PADDING_FREE=1) and recompute of the first k layers (LFA_CHECKPOINT_LAYERS) on
-    the model the trainer holds."""
-    from lf_adapter.plugin import padding_free
+    """Liger's fused gate-up SwiGLU where liger chunks a fused one, padding-free attention (LFA_PADDING_FREE=1) and
+    recompute of the first k layers (LFA_CHECKPOINT_LAYERS) on the model the trainer holds."""
+    from lf_adapter.plugin import fused_mlp, padding_free
 
+    switched = fused_mlp.use_on(model)
+    if switched:
+        print(f"lfa: {switched} liger Phi-3 MLPs run liger's fused gate-up SwiGLU (no chunk copies)", flush=True)
     if os.environ.get(contract.PADDING_FREE) == "1":  # the collator flattens rows; attention keeps them apart
         why_not = _padding_free_usable(model)
         if why_not is None:

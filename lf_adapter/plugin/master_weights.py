@@ -108,25 +108,6 @@ def _accumulate_into(master):
     return hook
 
 
-def _fp32_lm_head_gradient() -> None:
-    """Liger's fused linear cross-entropy sums the lm_head's gradient over its chunks in the weight's dtype unless
-    told otherwise: fp32, as over fp32 weights."""
-    try:
-        from liger_kernel.transformers.model import loss_utils
-    except ImportError:
-        return
-    original = loss_utils.fixed_fused_linear_cross_entropy
-    if getattr(original, "_lfa_fp32_accumulation", False):
-        return
-    import torch
-
-    def fixed_fused_linear_cross_entropy(*args, accum_dtype=None, **kwargs):
-        return original(*args, accum_dtype=accum_dtype or torch.float32, **kwargs)
-
-    fixed_fused_linear_cross_entropy._lfa_fp32_accumulation = True
-    loss_utils.fixed_fused_linear_cross_entropy = fixed_fused_linear_cross_entropy
-
-
 def set_up(trainer) -> None:
     """After the Trainer is built (the model on its device): master weights where LFA_MASTER_WEIGHTS=1 asks and
     they can run, else the autocast path with a message. The trainer zeroes the model's gradients after each step,
@@ -142,7 +123,6 @@ def set_up(trainer) -> None:
 
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16
     trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype)
-    _fp32_lm_head_gradient()
     model_zero_grad = trainer.model.zero_grad
 
     def zero_grad(*args, **kwargs):

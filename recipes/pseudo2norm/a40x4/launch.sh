@@ -30,7 +30,7 @@ export LFA_DROP_PADDING_MASK=1
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
 export LFA_PADDING_FREE=1
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS=20
+export LFA_CHECKPOINT_LAYERS=21
 # otherwise LLaMA-Factory overwrites PYTORCH_CUDA_ALLOC_CONF in torchrun children
 export OPTIM_TORCH=0
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it

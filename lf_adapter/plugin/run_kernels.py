@@ -1,0 +1,55 @@
+"""Which of the plugin's kernel choices a run used. The memory and throughput models price this plugin's choices;
+a measurement made before a choice existed ran without it, so bench rows record theirs ("kernels") and are repriced
+inside measured_with(of_row(row)). No torch."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    loss_chunk_min_rows: int = 2048  # liger's fused loss in chunks of at least this many rows (0: liger's own)
+    fused_gate_up: bool = True  # liger's Phi-3 MLP through its fused gate-up SwiGLU (plugin/fused_mlp.py)
+
+
+# what runs before session 28 used: liger's own chunks and its chunked Phi-3 MLP
+BEFORE = KernelChoices(loss_chunk_min_rows=0, fused_gate_up=False)
+ROW_KEY = "kernels"
+_priced = [KernelChoices()]
+
+
+def priced() -> KernelChoices:
+    return _priced[-1]
+
+
+def of_row(row: dict) -> KernelChoices:
+    """A bench row's choices; a row without the record ran before they existed."""
+    recorded = row.get(ROW_KEY) or {}
+    return KernelChoices(**{f.name: recorded.get(f.name, getattr(BEFORE, f.name)) for f in fields(KernelChoices)})
+
+
+def from_env(env) -> KernelChoices:
+    """The choices a process with this environment runs (contract's knobs)."""
+    from . import contract
+    from .loss_chunks import min_rows_from_env
+
+    return KernelChoices(
+        loss_chunk_min_rows=min_rows_from_env(env.get(contract.LOSS_CHUNK_ROWS)),
+        fused_gate_up=env.get(contract.FUSED_GATE_UP) != "0",
+    )
+
+
+def record(env) -> dict:
+    return asdict(from_env(env))
+
+
+@contextlib.contextmanager
+def measured_with(choices: KernelChoices):
+    """Price as a measured run ran."""
+    _priced.append(choices)
+    try:
+        yield
+    finally:
+        _priced.pop()
