@@ -7,8 +7,9 @@ import math
 
 from .hardware import HardwareProfile
 from .memory import badam_block_params, coefficients, liger_loss_chunk_rows
-from .model_spec import ModelSpec
+from .model_spec import FUSED_GATE_UP, FUSED_QKV, ModelSpec
 from .plan import Plan
+from .plugin import run_kernels
 from .strategy import Offload, Optimizer
 
 # master weights (lfa plugin), by construction: each micro-batch adds the 16-bit weight gradients into the fp32
@@ -94,6 +95,8 @@ def predict_tokens_per_s(
         gpu_s += fused_loss_walk_s(model, plan, padded_tokens, rate, gpu.hbm_tbps)
     elif plan.precision != "fp32":
         gpu_s += unfused_loss_walk_s(model, padded_tokens, gpu.hbm_tbps)
+    if plan.precision != "fp32":
+        gpu_s += fused_projection_copies_s(model, plan, padded_tokens, recomputed, gpu.hbm_tbps)
     hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
     if plan.master_weights:
         gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / hbm
@@ -155,6 +158,26 @@ def unfused_loss_walk_s(model: ModelSpec, tokens: float, hbm_tbps: float) -> flo
     per_logit = coefficients()["throughput"]["unfused_loss_bytes_per_logit"]
     walked = per_logit["loss"] + (per_logit["softcap"] if model.final_softcap else 0.0)
     return tokens * model.vocab_size * walked / streaming_bytes_per_s(hbm_tbps)
+
+
+def fused_projection_copies_s(model: ModelSpec, plan: Plan, tokens: float, recomputed: float, hbm_tbps: float) -> float:
+    """Families whose q/k/v come out of one projection (Phi-3) slice it into strided views: liger's RoPE copies q
+    and k to contiguous tensors in each forward, and autograd gives each slice's gradient a zero-filled tensor of the
+    whole projection's width (write 2, then the slice copied in: read and write 2 each) and adds the three (read 4,
+    write 2, twice). A fused gate/up MLP under liger's chunked SwiGLU copies both halves in each forward and
+    concatenates their gradients; lfa's plugin runs liger's fused gate-up function instead (no copies). 16-bit bytes
+    by construction from transformers' Phi3Attention and liger 0.8.5's rope/swiglu; memory-bound."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    forward = backward = 0.0
+    if model.arch in FUSED_QKV and plan.liger:
+        forward += 4.0 * (q + kv)
+        width = q + 2 * kv
+        backward += 3 * 2.0 * width + 4.0 * width + 2 * 6.0 * width
+    if model.arch in FUSED_GATE_UP and plan.liger and not run_kernels.priced().fused_gate_up:
+        forward += 8.0 * model.intermediate_size
+        backward += 8.0 * model.intermediate_size
+    per_token = model.num_layers * (forward * (1.0 + recomputed) + backward)
+    return tokens * per_token / streaming_bytes_per_s(hbm_tbps)
 
 
 def eager_scores_s(
