@@ -13,10 +13,16 @@ import types
 from . import contract
 
 
-def _fused_forward(self, x):
+def fused_swiglu(gate_up):
+    """silu(gate) * up of a [..., 2 x intermediate] tensor; liger's function takes and gives back rows (2-D)."""
     from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
-    return self.down_proj(LigerFusedGateUpSiLUMulFunction.apply(self.gate_up_proj(x)))
+    rows = LigerFusedGateUpSiLUMulFunction.apply(gate_up.reshape(-1, gate_up.shape[-1]))
+    return rows.view(*gate_up.shape[:-1], rows.shape[-1])
+
+
+def _fused_forward(self, x):
+    return self.down_proj(fused_swiglu(self.gate_up_proj(x)))
 
 
 def use_on(model) -> int:
