@@ -42,6 +42,7 @@ class ModelSpec:
     attention_softcap: float | None = None  # Gemma-2's attn_logit_softcapping: scores squashed before the softmax
     final_softcap: float | None = None  # Gemma-2's final_logit_softcapping: the logits squashed before the loss
     sliding_window: int | None = None  # attention sees at most this many earlier tokens (where the family uses one)
+    attention_dropout: float = 0.0  # dropout on the attention weights while training (config.json)
 
     def padding_free_problem(self, seq_len: int) -> str | None:
         """Why torch's varlen flash attention (lfa's padding-free) would not compute this family's attention."""
@@ -49,6 +50,11 @@ class ModelSpec:
             return (
                 f"{self._soft_caps}, which the varlen flash kernel does not: padding-free would train a different "
                 "attention"
+            )
+        if self.attention_dropout > 0:
+            return (
+                f"{self.arch} drops attention weights while training (attention_dropout {self.attention_dropout:g}), "
+                "which torch's varlen kernel cannot: padding-free would train without that dropout"
             )
         if self.sliding_window and self.sliding_window < seq_len:
             return (
@@ -170,6 +176,7 @@ def _from_config_dict(name: str, cfg: dict) -> ModelSpec:
             sliding_window=int(cfg["sliding_window"])
             if cfg.get("sliding_window") and cfg.get("use_sliding_window", True)
             else None,
+            attention_dropout=float(cfg.get("attention_dropout") or 0.0),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"model config for {name} lacks a decoder shape field: {exc}") from None
@@ -191,6 +198,7 @@ CATALOG_KEYS = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "sliding_window",
+    "attention_dropout",
 )
 
 

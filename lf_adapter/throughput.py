@@ -311,7 +311,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             "(6.7B width), the 350M width +0.2%"
         )
         return "; ".join([f"throughput model fitted on H200 runs (bench/README.md): {measured}", *caveats])
-    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-27
+    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-28
         checked = (
             "sessions 26-28): master-weights defaults ran 0.7% (Qwen3-1.7B) to 10.4% (Llama-3.2-3B) below their "
             "prediction, Gemma-2 9.6%, Phi-3-mini 6.1%, StarCoder2 5.4-5.9%, Qwen2.5-Coder-3B 5%, the 1.3B 1.3%: "

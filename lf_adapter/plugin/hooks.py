@@ -153,6 +153,9 @@ def _padding_free_usable(model) -> str | None:
 
     if not padding_free.supported():
         return "transformers >= 4.53 (AttentionMaskInterface)"
+    dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:  # neither torch's varlen kernel nor the per-row path drops attention weights
+        return f"a model without attention dropout (this one has attention_dropout {dropout:g})"
     import torch
 
     device = next(model.parameters()).device
