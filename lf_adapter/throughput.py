@@ -136,18 +136,22 @@ def layer_width(model: ModelSpec) -> float:
 
 
 def fused_loss_walk_s(model: ModelSpec, plan: Plan, tokens: float, rate: float, hbm_tbps: float) -> float:
-    """Liger's fused linear cross-entropy runs the lm_head over a micro-batch in chunks of a few rows
-    (memory.liger_loss_chunk_rows: about h x tokens / V) and reads the whole lm_head weight in each chunk's GEMMs
-    (bytes per weight element per chunk in catalog/memory_model.yaml); below a few hundred rows those GEMMs are
-    memory-bound. The time spent beyond the FLOPs already priced (a large vocabulary under small micro-batches)."""
+    """Liger's fused linear cross-entropy runs the lm_head over a micro-batch in chunks (memory.liger_loss_chunk_rows)
+    and each chunk's three GEMMs read the whole lm_head weight or its gradient (bytes per weight element in
+    catalog/memory_model.yaml); a GEMM takes the longer of its FLOPs and its bytes, so below a thousand rows or so
+    they are memory-bound. The time beyond the FLOPs already priced: the memory-bound GEMMs' excess and autocast's
+    cast of the weight in every chunk (large vocabularies under small chunks; lfa's plugin asks for chunks of at
+    least 2,048 rows, where the GEMMs are compute-bound)."""
     chunk_rows = liger_loss_chunk_rows(model, tokens)
     chunks = math.ceil(max(1.0, tokens) / chunk_rows)
     weight = model.vocab_size * model.hidden_size
     per_element = coefficients()["throughput"]["fused_loss_bytes_per_weight_per_chunk"]
-    memory_s = (
-        per_element["sixteen_bit" if plan.sixteen_bit_model else "autocast"] * weight / streaming_bytes_per_s(hbm_tbps)
-    )
-    return chunks * max(0.0, memory_s - 6.0 * chunk_rows * weight / rate)
+    path = "master" if plan.master_weights else "sixteen_bit" if plan.sixteen_bit_model else "autocast"
+    cast, *gemms = per_element[path]
+    streaming = streaming_bytes_per_s(hbm_tbps)
+    gemm_s = 2.0 * chunk_rows * weight / rate  # each of the three
+    excess = cast * weight / streaming + sum(max(0.0, b * weight / streaming - gemm_s) for b in gemms)
+    return chunks * excess
 
 
 def unfused_loss_walk_s(model: ModelSpec, tokens: float, hbm_tbps: float) -> float:
@@ -314,7 +318,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-28
         checked = (
             "sessions 26-28): master-weights defaults ran 0.7% (Qwen3-1.7B) to 10.4% (Llama-3.2-3B) below their "
-            "prediction, Gemma-2 9.6%, Phi-3-mini 6.1%, StarCoder2 5.4-5.9%, Qwen2.5-Coder-3B 5%, the 1.3B 1.3%: "
+            "prediction, Gemma-2 9.6%, Phi-3-mini 6.1%, StarCoder2 5.4-5.9%, Qwen2.5-Coder-3B 0.4%, the 1.3B 1.3%: "
             "plans with few recomputed layers are rated a few percent too fast"
             if plan.master_weights
             else "sessions 21-26): 18 runs of six families and the 1.3B/6.7B widths ran between 8.1% below and 6.8% "

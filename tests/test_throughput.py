@@ -27,17 +27,15 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     sys.path.insert(0, str(REPO / "bench"))
     from model_zoo import BENCH_MEAN_SEQ_FRACTION
 
-    # outside, and why: a 64-row micro-batch plan lfa no longer makes (its memory is priced over the card); and the
-    # master-weight defaults of session 27 and call 1 of session 28 that ran liger's own loss chunks (32-59 chunks of
-    # 256 rows, each walking the whole lm_head weight): 14-17% slower than priced. lfa's plugin has run chunks of at
-    # least 2,048 rows since (plugin/loss_chunks.py): the same plans then ran -8.6% (Llama-3.2-3B) and -0.7% (Qwen3)
-    # from their predictions (bench/README.md, session 28). Gemma-2's eager 49k-token plan: not rerun. And
-    # Llama-3.2-3B's default since then, -10.4%: recompute is priced at the average rate, so plans with few
-    # recomputed layers are rated a few percent too fast (session 28, not changed)
+    # outside, and why: a 64-row micro-batch plan lfa no longer makes (its memory is priced over the card); the
+    # Llama-3.2-3B master plans of session 27 that ran liger's own 256-row loss chunks (-10.1%/-10.8% with each
+    # chunk's GEMMs priced at the longer of their FLOPs and bytes; -16% before); Gemma-2's eager 49k-token plan
+    # (-12.4%, 512-row chunks, not rerun); and Llama-3.2-3B's default since lfa's 2,048-row chunks, -10.4%:
+    # recompute is priced at the average rate, so plans with few recomputed layers are rated a few percent too fast
+    # (bench/README.md, session 28, not changed)
     known_outside = {
         ("meta-llama/Llama-3.2-3B", "bf16/mbs2xga32x1/gc5/liger/sdpa/master/padfree/sorted/tb6144"),
         ("Qwen/Qwen3-1.7B", "fp16/mbs64xga1x1/gc/liger/sdpa/zero2-offload-optimizer/padfree/sorted"),
-        ("Qwen/Qwen3-1.7B", "bf16/mbs8xga8x1/nogc/liger/sdpa/master/padfree/sorted/tb16384"),
         ("meta-llama/Llama-3.2-3B", "bf16/mbs4xga16x1/gc10/liger/sdpa/master/padfree/sorted/tb8192"),
         ("meta-llama/Llama-3.2-3B", "bf16/mbs4xga16x1/gc12/liger/sdpa/master/padfree/sorted/tb8192"),
         ("google/gemma-2-2b", "bf16/mbs16xga4x1/gc25/liger/eager/master/sorted/tb49152"),
@@ -72,3 +70,25 @@ def test_fused_projections_cost_their_copies():
     assert fused == pytest.approx(8192 * phi3.num_layers * qkv_bytes / streaming)
     assert chunked - fused == pytest.approx(8192 * phi3.num_layers * (8 * inter * 1.5 + 8 * inter) / streaming)
     assert fused_projection_copies_s(phi3, plan.replace(liger=False), 8192, 0.5, 3.35) == 0.0
+
+
+def test_the_loss_chunks_cost_what_call_1_of_session_28_measured():
+    """Same plan, same call: liger's own 256-row chunks against lfa's 2,048-row ones; the kernel profiles' GEMM time
+    per micro-batch moved by what fused_loss_walk_s prices (each chunk's GEMMs at the longer of FLOPs and bytes)."""
+    from lf_adapter.memory import coefficients
+    from lf_adapter.throughput import fused_loss_walk_s
+
+    rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
+    pair = [r for r in rows if r.get("run") == "h100_session28 call 1" and "/gc12/" in r["plan"]]
+    assert [run_kernels.of_row(r).loss_chunk_min_rows for r in pair] == [0, 2048]
+    own, lfa = ({k: v for k, v in r["kernel_profile"].items()} for r in pair)
+    micro_batches = pair[0]["micro_batches_per_step"][-1]  # the profiled step's
+    measured_s = (own["kinds_s"]["GEMMs"] - lfa["kinds_s"]["GEMMs"]) / micro_batches
+    llama, hardware = load_model_spec("meta-llama/Llama-3.2-3B"), load_profile("h100")
+    plan = Plan.from_label(pair[0]["plan"])
+    rate = hardware.gpu.peak_tflops_16bit * 1e12 * coefficients()["throughput"]["mfu_max"]
+    with run_kernels.measured_with(run_kernels.BEFORE):
+        liger_s = fused_loss_walk_s(llama, plan, 7851, rate, hardware.gpu.hbm_tbps)
+    lfa_s = fused_loss_walk_s(llama, plan, 7851, rate, hardware.gpu.hbm_tbps)
+    assert lfa_s == 0.0  # 2,048-row chunks: compute-bound GEMMs
+    assert liger_s == pytest.approx(measured_s, rel=0.25)
