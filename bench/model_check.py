@@ -80,9 +80,8 @@ def main() -> None:
             plan = plan_of(label, row)
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
-            with run_kernels.measured_with(
-                run_kernels.of_row(row)
-            ):  # the kernels it ran (before session 28: liger's own)
+            # priced with the kernels the run had (before session 28: liger's own chunks)
+            with run_kernels.measured_with(run_kernels.of_row(row)):
                 predicted = predict_tokens_per_s(
                     spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
                 )
