@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lf_adapter.memory import estimate  # noqa: E402
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
-from lf_adapter.plugin import contract  # noqa: E402
+from lf_adapter.plugin import contract, run_kernels  # noqa: E402
 
 
 def run_config(
@@ -229,6 +229,7 @@ def main() -> None:
                 "seq": args.cutoff,
                 "predicted_reserved_gib": predicted.reserved_gib,
                 "predicted_items_gib": predicted.items,
+                run_kernels.ROW_KEY: run_kernels.record(os.environ),  # the knobs run_isolated's process inherits
                 **measured,
             }
             rows.append(row)

@@ -64,6 +64,7 @@ def load_points(runs: list[str]) -> list[dict]:
                     "alloc_conf": r.get("alloc_conf"),
                     "allocated": r["peak_allocated_gib"],
                     "reserved": r["peak_reserved_gib"],
+                    **run_kernels.carried(r),
                 }
             )
     for run, labels in DEEPSPEED_RUNS.items():
@@ -77,6 +78,7 @@ def load_points(runs: list[str]) -> list[dict]:
                     "plan": Plan.from_label(r["plan"], alloc_conf=EXPANDABLE),
                     "allocated": r["peak_allocated_gib"],
                     "reserved": r["peak_reserved_gib"],
+                    **run_kernels.carried(r),
                 }
             )
     for precision, mbs, ga, gc, liger, allocated, reserved in ANCHOR:

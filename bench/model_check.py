@@ -115,7 +115,7 @@ def width_check() -> None:
             plan = Plan(
                 "bf16", r["mbs"], r.get("ga", 1), gradient_checkpointing=r["gc"], liger=r["liger"], attention="sdpa"
             )
-            with run_kernels.measured_with(run_kernels.BEFORE):  # calibrate.py's runs ran liger's own chunks
+            with run_kernels.measured_with(run_kernels.of_row(r)):  # the kernels it ran (before session 28: liger's)
                 predicted = predict_tokens_per_s(spec_for(r["size"]), plan, h200, r["seq"], mean_fraction)
             errors.setdefault(r["size"], []).append(predicted / r["tokens_per_s"] - 1)
         print(

@@ -212,6 +212,7 @@ def run_one(label: str, assets: Path, work: Path, out: Path, steps: int, timeout
     row = {
         "rc": rc,
         "plan": attempts[0].get("plan"),
+        run_kernels.ROW_KEY: run_kernels.record(env),
         "model": model_dir,
         "wall_s": round(time.time() - started, 1),
         "failure": (attempts[0].get("failure") or {}).get("kind"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -396,7 +395,7 @@ def _liger_loss_bytes(model: ModelSpec, plan: Plan, tokens: int) -> float:
 def liger_loss_chunk_rows(model: ModelSpec, tokens: float) -> int:
     """Rows of one chunk of liger's fused linear cross-entropy over a micro-batch of `tokens`, as lfa's plugin runs
     it (plugin/loss_chunks.py: at least 2,048 rows where the micro-batch has them)."""
-    return loss_chunks.planned_chunk_rows(model.vocab_size, model.hidden_size, max(1, math.ceil(tokens)))
+    return loss_chunks.planned_chunk_rows(model.vocab_size, model.hidden_size, tokens)
 
 
 def estimate(

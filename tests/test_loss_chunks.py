@@ -127,3 +127,9 @@ def test_an_older_liger_keeps_its_chunks(stand_in_liger, monkeypatch):
         "supports_inner_impl_dispatch",
     )
     assert loss_chunks.install() == "liger's own chunks"
+
+
+def test_a_derived_row_carries_the_record_only_where_there_is_one():
+    row = {run_kernels.ROW_KEY: run_kernels.record({})}
+    assert run_kernels.of_row({**run_kernels.carried(row)}) == run_kernels.KernelChoices()
+    assert run_kernels.carried({"plan": "x"}) == {}

@@ -33,7 +33,7 @@ def chunk_rows(vocab: int, hidden: int, tokens: int, mem_const: int = 1) -> int:
     return min(1 << max(0, per_chunk - 1).bit_length(), tokens)
 
 
-def planned_chunk_rows(vocab: int, hidden: int, tokens: int) -> int:
+def planned_chunk_rows(vocab: int, hidden: int, tokens: float) -> int:
     """Rows of one chunk as lfa's plugin runs liger: at least MIN_ROWS where the micro-batch has them (or as a
     measurement being repriced ran: run_kernels.measured_with)."""
     tokens = max(1, math.ceil(tokens))

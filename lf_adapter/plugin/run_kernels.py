@@ -30,6 +30,11 @@ def of_row(row: dict) -> KernelChoices:
     return KernelChoices(**{f.name: recorded.get(f.name, getattr(BEFORE, f.name)) for f in fields(KernelChoices)})
 
 
+def carried(row: dict) -> dict:
+    """The row's record, to copy into a row derived from it (nothing for a row from before the record)."""
+    return {ROW_KEY: row[ROW_KEY]} if ROW_KEY in row else {}
+
+
 def from_env(env) -> KernelChoices:
     """The choices a process with this environment runs (contract's knobs)."""
     from . import contract
