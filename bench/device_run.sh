@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
 # build the assets, run a bench; results land in $OUT.
-# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe [extra args]
+# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe|saved [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,nohe
 cmd=$1; shift
 # offload.py builds the shapes its runs need; the other benches start from the 1.3B
 case "$cmd" in
-  offload) ;;
+  offload|saved) ;;
   zoo|probe) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
   *) [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning ;;
 esac
@@ -48,6 +48,9 @@ fi
 if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact token counts
   timeout ${BENCH_TIMEOUT:-560} python3 bench/memory_probe.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[a-z0-9-]+ +fp16|^label |Traceback|Error" | tee $OUT/probe.txt
   (cd $OUT && tar czf probe_logs.tgz *.log && rm -f *.log)
+fi
+if [ "$cmd" = saved ]; then  # saved_tensors_check.py: each zoo family's per-layer saved tensors vs lfa's terms
+  timeout ${BENCH_TIMEOUT:-300} python3 bench/saved_tensors_check.py $OUT "$@" 2>&1 | grep -vE "^lfa: padding-free|Warning" | tee $OUT/saved.txt
 fi
 if [ "$cmd" = seed ]; then
   # repeatable in one call (seed ...; seed ...): each invocation's table and archive get their own number
