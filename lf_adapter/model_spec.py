@@ -145,6 +145,10 @@ class ModelSpec:
         attention_width = self.num_heads * self.head_dim
         return (6.0 if weight_gradients else 4.0) * matmul_params + 12.0 * self.num_layers * attention_width * seq_len
 
+    def layer_forward_flops_per_token(self, seq_len: int) -> float:
+        """The decoder layers' forward alone (what checkpointing runs again): 2 x their params + attention's 4*L*w*s."""
+        return 2.0 * self.num_layers * self.params_per_layer + 4.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
 
 def _dtype_name(value: object) -> str | None:
     """config.json's dtype ("bfloat16", "torch.float16"; transformers 5 writes `dtype`, 4.x `torch_dtype`)."""

@@ -28,17 +28,17 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     from model_zoo import BENCH_MEAN_SEQ_FRACTION
 
     # outside, and why: a 64-row micro-batch plan lfa no longer makes (its memory is priced over the card); the
-    # Llama-3.2-3B master plans of session 27 that ran liger's own 256-row loss chunks (-10.1%/-10.8% with each
-    # chunk's GEMMs priced at the longer of their FLOPs and bytes; -16% before); Gemma-2's eager 49k-token plan
-    # (-12.4%, 512-row chunks, not rerun); and Llama-3.2-3B's default since lfa's 2,048-row chunks, -10.4%:
-    # recompute is priced at the average rate, so plans with few recomputed layers are rated a few percent too fast
-    # (bench/README.md, session 28, not changed)
+    # Llama-3.2-3B master plans of session 27 that ran liger's own 256-row loss chunks (-10.3%/-11.0%); Gemma-2's
+    # eager 49k-token plan (-17.3%, 512-row chunks, not rerun); the Llama-3.2-3B and Gemma-2 defaults of session 28
+    # (-10.5%, -10.1%; Llama's rerun in session 29 is -9.6%): their step runs 5-10% below its GEMM and elementwise
+    # work with the GPU idle (bench/README.md, session 29)
     known_outside = {
-        ("meta-llama/Llama-3.2-3B", "bf16/mbs2xga32x1/gc5/liger/sdpa/master/padfree/sorted/tb6144"),
         ("Qwen/Qwen3-1.7B", "fp16/mbs64xga1x1/gc/liger/sdpa/zero2-offload-optimizer/padfree/sorted"),
         ("meta-llama/Llama-3.2-3B", "bf16/mbs4xga16x1/gc10/liger/sdpa/master/padfree/sorted/tb8192"),
         ("meta-llama/Llama-3.2-3B", "bf16/mbs4xga16x1/gc12/liger/sdpa/master/padfree/sorted/tb8192"),
         ("google/gemma-2-2b", "bf16/mbs16xga4x1/gc25/liger/eager/master/sorted/tb49152"),
+        ("meta-llama/Llama-3.2-3B", "bf16/mbs2xga32x1/gc5/liger/sdpa/master/padfree/sorted/tb6144"),
+        ("google/gemma-2-2b", "bf16/mbs2xga32x1/gc2/liger/eager/master/sorted/tb4096"),
     }
     rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
     errors = {}
@@ -53,6 +53,30 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     outside = {(model, plan) for (model, plan, _), error in errors.items() if abs(error) > 0.10}
     assert outside == known_outside, {k: round(v, 3) for k, v in errors.items() if abs(v) > 0.10}
     assert len(errors) >= 20
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.2-3B", "Qwen/Qwen3-1.7B"])
+def test_recompute_costs_what_the_same_budget_sweeps_measured(name):
+    """Session 29, call 1: one budget per model, only the recomputed layers changed (Llama-3.2-3B 5 to 28 of 28,
+    Qwen3-1.7B none to 17). The step time's change per recomputed layer, priced (each checkpointed layer's forward
+    FLOPs again at the step's rate) against measured: within 25% (priced 20% and 18% steeper: the recomputed
+    forward runs faster than the step's average rate; not fitted)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from model_zoo import BENCH_MEAN_SEQ_FRACTION
+
+    rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
+    sweep = [r for r in rows if r.get("run") == "h100_session29 call 1" and r["model"] == name]
+    model, hardware = load_model_spec(name), load_profile("h100")
+    points = []
+    for row in sweep:
+        plan = Plan.from_label(row["plan"], alloc_conf="expandable_segments:True")
+        recomputed = plan.checkpointed_layers(model.num_layers) if plan.gradient_checkpointing else 0
+        predicted = predict_tokens_per_s(model, plan, hardware, 2048, BENCH_MEAN_SEQ_FRACTION)
+        points.append((recomputed, 1.0 / row["steady_tokens_per_s"], 1.0 / predicted))
+    (low, measured_low, priced_low), *_, (high, measured_high, priced_high) = sorted(points)
+    assert len(points) >= 2 and high > low
+    ratio = (priced_high - priced_low) / (measured_high - measured_low)
+    assert ratio == pytest.approx(1.0, abs=0.25)
 
 
 def test_fused_projections_cost_their_copies():
