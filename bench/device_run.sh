@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
 # build the assets, run a bench; results land in $OUT.
-# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe|saved [extra args]
+# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe|saved|peak [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,nohe
 cmd=$1; shift
 # offload.py builds the shapes its runs need; the other benches start from the 1.3B
 case "$cmd" in
-  offload|saved) ;;
+  offload|saved|peak) ;;
   zoo|probe) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
   *) [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning ;;
 esac
@@ -51,6 +51,10 @@ if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact 
 fi
 if [ "$cmd" = saved ]; then  # saved_tensors_check.py: each zoo family's per-layer saved tensors vs lfa's terms
   timeout ${BENCH_TIMEOUT:-300} python3 bench/saved_tensors_check.py $OUT "$@" 2>&1 | grep -vE "^lfa: padding-free|Warning" | tee $OUT/saved.txt
+fi
+if [ "$cmd" = peak ]; then  # peak_probe.py: one micro-batch's activations and logits path, by precision path
+  timeout ${BENCH_TIMEOUT:-300} python3 bench/peak_probe.py $OUT "$@" 2>&1 | grep -vE "^lfa: padding-free|Warning" | tee -a $OUT/peak.txt
+  [ -f $OUT/peak_probe.json ] && mv $OUT/peak_probe.json $OUT/peak_probe_$(date +%s).json
 fi
 if [ "$cmd" = seed ]; then
   # repeatable in one call (seed ...; seed ...): each invocation's table and archive get their own number

@@ -2,9 +2,10 @@
 against lf_adapter/saved_tensors.py (the activation term of lfa's memory model, by construction).
 
 Each zoo shape is built with 1 and 3 decoder layers (random weights, a small vocabulary) and run forward on 2 and 4
-rows of one length, as one flattened micro-batch (padding-free, lfa's varlen attention) or a padded batch (sdpa / eager), as a 16-bit model or fp32 weights under
-autocast, with liger's kernels where lfa plans them (CUDA only). Two measures per layer and token, each the
-difference of 3 and 1 layers at two row counts (weights and per-micro-batch constants cancel):
+rows of one length, as one flattened micro-batch (padding-free, lfa's varlen attention) or a padded batch (sdpa /
+eager), as a 16-bit model or fp32 weights under autocast, with liger's kernels where lfa plans them (CUDA only).
+Two measures per layer and token, each the difference of 3 and 1 layers at two row counts (weights and
+per-micro-batch constants cancel):
 - saved: the bytes of the distinct storages autograd's saved-tensor hooks see (what the backward keeps);
 - live: allocated memory after the forward minus before (CUDA only: also what the saved tensors keep alive).
 Rows go to OUT/saved_tensors.json; the table prints measured / predicted - 1.
@@ -106,16 +107,20 @@ def per_token_layer(name, rows_pair, row_len, mode, attention, liger, device) ->
         values[rows] = {k: (three[k] - one[k]) / 2 if three[k] is not None else None for k in three}
     low, high = rows_pair
     span = (high - low) * row_len
-    return {
-        k: (values[high][k] - values[low][k]) / span if values[high][k] is not None else None for k in values[high]
-    }
+    return {k: (values[high][k] - values[low][k]) / span if values[high][k] is not None else None for k in values[high]}
 
 
 def eager_bytes_per_token_layer(spec, row_len: int) -> float:
     from lf_adapter.memory import coefficients
 
-    per_score = coefficients()["activation"]["eager_attention_bytes_per_score"] + (2.0 if spec.attention_softcap else 0.0)
+    per_score = coefficients()["activation"]["eager_attention_bytes_per_score"] + (
+        2.0 if spec.attention_softcap else 0.0
+    )
     return per_score * spec.num_heads * row_len
+
+
+def _error(measured: float | None, predicted: float) -> str:
+    return f"{measured / predicted - 1:+7.1%}" if measured is not None else "      -"
 
 
 def main() -> int:
@@ -133,7 +138,8 @@ def main() -> int:
     rows_pair = (2, 4)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'model':34} {'mode':9} {'attn':7} {'liger':5} {'pred B':>8} {'saved B':>8} {'err':>7} {'live B':>8} {'err':>7}")
+    columns = ("model", 34), ("mode", 9), ("attn", 7), ("liger", 5), ("pred B", 8), ("saved B", 8), ("err", 7)
+    print(" ".join(f"{n:{w}}" for n, w in columns), f"{'live B':>8} {'err':>7}")
     for name in names:
         arch = ZOO[name]["model_type"]
         attentions = ["eager", "sdpa"] if arch in EAGER else ["varlen", "sdpa"]
@@ -147,16 +153,27 @@ def main() -> int:
                 if attention == "eager":  # the scores per query token (heads x row length), as memory.py adds them
                     predicted += eager_bytes_per_token_layer(spec, row_len)
                 row = {
-                    "model": name, "model_type": arch, "mode": mode, "attention": attention, "liger": liger,
-                    "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "rows": list(rows_pair),
-                    "row_len": row_len, "predicted_bytes": predicted,
-                    "saved_bytes": measured["saved"], "live_bytes": measured["live"], "seconds": round(time.time() - start, 1),
+                    "model": name,
+                    "model_type": arch,
+                    "mode": mode,
+                    "attention": attention,
+                    "liger": liger,
+                    "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                    "rows": list(rows_pair),
+                    "row_len": row_len,
+                    "predicted_bytes": predicted,
+                    "saved_bytes": measured["saved"],
+                    "live_bytes": measured["live"],
+                    "seconds": round(time.time() - start, 1),
                 }
                 rows.append(row)
-                err = lambda v: f"{v / predicted - 1:+7.1%}" if v is not None and predicted else "      -"  # noqa: E731
-                live = f"{measured['live']:8.0f}" if measured["live"] is not None else "       -"
-                pred = f"{predicted:8.0f}" if predicted else "       -"
-                print(f"{name:34} {mode:9} {attention:7} {str(liger):5} {pred} {measured['saved']:8.0f} {err(measured['saved'])} {live} {err(measured['live'])}", flush=True)
+                print(
+                    f"{name:34} {mode:9} {attention:7} {str(liger):5} {predicted:8.0f} {measured['saved']:8.0f}",
+                    _error(measured["saved"], predicted),
+                    f"{measured['live']:8.0f}" if measured["live"] is not None else "       -",
+                    _error(measured["live"], predicted),
+                    flush=True,
+                )
                 (args.out / "saved_tensors.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -147,7 +147,10 @@ class ModelSpec:
 
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
         """The decoder layers' forward alone (what checkpointing runs again): 2 x their params + attention's 4*L*w*s."""
-        return 2.0 * self.num_layers * self.params_per_layer + 4.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return (
+            2.0 * self.num_layers * self.params_per_layer
+            + 4.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        )
 
 
 def _dtype_name(value: object) -> str | None:
