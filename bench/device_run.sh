@@ -6,6 +6,8 @@ set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+# LFA_BENCH_MEMORY_SNAPSHOT=DIR: every CUDA process of the bench writes its allocator history there (bench/memory_snapshot)
+[ -n "${LFA_BENCH_MEMORY_SNAPSHOT:-}" ] && mkdir -p "$LFA_BENCH_MEMORY_SNAPSHOT" && export PYTHONPATH=$PWD/bench/memory_snapshot:$PYTHONPATH
 # memory-light optimizers (bitsandbytes, badam): carried installed in .lowmem (bitsandbytes' wheel is 43 MB; the
 # folder keeps only its CUDA 13 library)
 [ -d .lowmem ] && export PYTHONPATH=$PWD/.lowmem:$PYTHONPATH
