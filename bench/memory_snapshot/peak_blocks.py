@@ -13,7 +13,7 @@ SKIP = ("torch/", "contextlib", "<frozen", "threading", "site-packages/accelerat
 def where(frames: list[dict]) -> str:
     for frame in frames:
         name = frame.get("filename", "")
-        if name and not any(s in name for s in SKIP) and not name.startswith("??"):
+        if name.endswith(".py") and not any(s in name for s in SKIP):  # Python frames only (C++ frames come first)
             return f"{name.split('site-packages/')[-1]}:{frame.get('line')} {frame.get('name')}"
     return "(torch internals)"
 
