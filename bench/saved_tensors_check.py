@@ -3,7 +3,8 @@ against lf_adapter/saved_tensors.py (the activation term of lfa's memory model, 
 
 Each zoo shape is built with 1 and 3 decoder layers (random weights, a small vocabulary) and run forward on 2 and 4
 rows of one length, as one flattened micro-batch (padding-free, lfa's varlen attention) or a padded batch (sdpa /
-eager), as a 16-bit model or fp32 weights under autocast, with liger's kernels where lfa plans them (CUDA only).
+eager), as a 16-bit model (without autocast, or under it as lfa's master weights run in LLaMA-Factory's trainer)
+or fp32 weights under autocast, with liger's kernels where lfa plans them (CUDA only).
 Two measures per layer and token, each the difference of 3 and 1 layers at two row counts (weights and
 per-micro-batch constants cancel):
 - saved: the bytes of the distinct storages autograd's saved-tensor hooks see (what the backward keeps);
@@ -61,7 +62,7 @@ def measure(name: str, layers: int, rows: int, row_len: int, mode: str, attentio
 
     from lf_adapter.plugin import padding_free
 
-    sixteen_bit = mode == "16-bit"
+    sixteen_bit = mode != "autocast"  # "16-bit" without autocast, "16-bit+autocast": lfa's master weights in a trainer
     model, config = build(name, layers, torch.bfloat16 if sixteen_bit else torch.float32, device)
     if liger:
         apply_liger(model)
@@ -87,7 +88,7 @@ def measure(name: str, layers: int, rows: int, row_len: int, mode: str, attentio
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=not sixteen_bit):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode != "16-bit"):
             hidden = model.model(**batch, use_cache=False).last_hidden_state
     live = torch.cuda.memory_allocated() - before - hidden.numel() * hidden.element_size() if cuda else None
     result = {"saved": sum(storages.values()), "live": live}
@@ -145,11 +146,11 @@ def main() -> int:
         attentions = ["eager", "sdpa"] if arch in EAGER else ["varlen", "sdpa"]
         liger = device == "cuda" and arch not in NO_LIGER
         spec = load_model_spec(name)  # the catalog's shape of the hub name (the zoo's)
-        for mode in ("16-bit", "autocast"):
+        for mode in ("16-bit", "16-bit+autocast", "autocast"):
             for attention in attentions:
                 start = time.time()
                 measured = per_token_layer(name, rows_pair, row_len, mode, attention, liger, device)
-                predicted = sum(saved_tensors_per_token(spec, mode == "16-bit", liger, attention).values())
+                predicted = sum(saved_tensors_per_token(spec, mode != "autocast", liger, attention).values())
                 if attention == "eager":  # the scores per query token (heads x row length), as memory.py adds them
                     predicted += eager_bytes_per_token_layer(spec, row_len)
                 row = {
