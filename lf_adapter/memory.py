@@ -230,8 +230,11 @@ def _layer_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     sixteen_bit_model = plan.sixteen_bit_model
     path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
     attention = "varlen" if plan.padding_free else "eager" if plan.attention == "eager" else "sdpa"
+    # master weights run under the trainer's autocast, whose fp32 list has torch's LayerNorm: without liger such a
+    # layer keeps what autocast over fp32 weights keeps (measured: bench/README.md, session 29, StarCoder2)
+    kept_as_autocast = plan.master_weights and model.layer_norm and not plan.liger
     per_token_layer = act["saved_tensor_scale"][path] * sum(
-        saved_tensors_per_token(model, sixteen_bit_model, plan.liger, attention).values()
+        saved_tensors_per_token(model, sixteen_bit_model and not kept_as_autocast, plan.liger, attention).values()
     )
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already

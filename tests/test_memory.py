@@ -130,6 +130,28 @@ def test_each_attention_path_keeps_its_own_k_v_and_output_tensors():
     assert priced == kept(llama, "varlen") - kept(llama, "sdpa")
 
 
+def test_master_weights_keep_torchs_layer_norm_layers_as_autocast_does():
+    """lfa's master weights run the 16-bit model under the trainer's autocast, whose fp32 list has torch's LayerNorm:
+    without liger, StarCoder2's layer keeps what autocast over fp32 weights keeps (session 29 call 5: 122,992 bytes
+    per token and layer measured, 122,880 priced; 98,304 is the 16-bit model's without autocast). Liger's norms and
+    RMSNorm families keep the 16-bit model's bytes (Llama-3.2-3B, Qwen3-1.7B measured the same both ways)."""
+    from lf_adapter.memory import _layer_bytes_per_token
+    from lf_adapter.saved_tensors import saved_tensors_per_token
+
+    starcoder2, llama = load_model_spec("bigcode/starcoder2-3b"), load_model_spec("meta-llama/Llama-3.2-3B")
+    master = Plan.from_label("bf16/mbs2xga32x1/nogc/sdpa/master/padfree/sorted/tb6144")
+    deepspeed = Plan.from_label("fp16/mbs8xga8x1/nogc/sdpa/zero2-offload-optimizer/padfree/sorted")
+
+    def kept(spec, sixteen_bit, liger):
+        return sum(saved_tensors_per_token(spec, sixteen_bit, liger, "varlen").values())
+
+    assert _layer_bytes_per_token(starcoder2, master, 2048) == kept(starcoder2, False, False) == 122880
+    assert kept(starcoder2, True, False) == 98304  # DeepSpeed's 16-bit engine runs without autocast
+    assert _layer_bytes_per_token(starcoder2, deepspeed, 2048) == kept(starcoder2, True, False)
+    liger_master = master.replace(liger=True)
+    assert _layer_bytes_per_token(llama, liger_master, 2048) == kept(llama, True, True)
+
+
 def _gemma2_capped_plan(attention: str) -> Plan:
     return _offload_plan(16, 4, padding_free=False, checkpoint_layers=24, attention=attention)
 
