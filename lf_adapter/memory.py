@@ -224,17 +224,23 @@ def _activations(model: ModelSpec, plan: Plan, seq_len: int) -> dict[str, float]
     return items
 
 
+def layer_norms_run_in_fp32(model: ModelSpec, plan: Plan) -> bool:
+    """Master weights run the 16-bit model under the trainer's autocast, whose fp32 list has torch's LayerNorm: without
+    liger's norms each such norm's output is fp32 and each linear reading it keeps its own 16-bit cast, so the layer
+    keeps (and walks) what autocast over fp32 weights does (measured: bench/README.md, session 29, StarCoder2)."""
+    return plan.master_weights and model.layer_norm and not plan.liger
+
+
 def _layer_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     """What one decoder layer keeps per token for its backward (lf_adapter/saved_tensors.py), eager scores included."""
     act = coefficients()["activation"]
     sixteen_bit_model = plan.sixteen_bit_model
     path = ("sixteen_bit_" if sixteen_bit_model else "autocast_") + ("liger" if plan.liger else "eager")
     attention = "varlen" if plan.padding_free else "eager" if plan.attention == "eager" else "sdpa"
-    # master weights run under the trainer's autocast, whose fp32 list has torch's LayerNorm: without liger such a
-    # layer keeps what autocast over fp32 weights keeps (measured: bench/README.md, session 29, StarCoder2)
-    kept_as_autocast = plan.master_weights and model.layer_norm and not plan.liger
     per_token_layer = act["saved_tensor_scale"][path] * sum(
-        saved_tensors_per_token(model, sixteen_bit_model and not kept_as_autocast, plan.liger, attention).values()
+        saved_tensors_per_token(
+            model, sixteen_bit_model and not layer_norms_run_in_fp32(model, plan), plan.liger, attention
+        ).values()
     )
     if plan.precision == "fp32":
         per_token_layer *= 1.6  # fp32 activations are twice the 16-bit ones; norms/residual are fp32 already
