@@ -110,7 +110,7 @@ def predict_tokens_per_s(
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
         gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / hbm
-    if plan.precision in ("bf16", "fp16") and not plan.sixteen_bit_model:
+    if plan.precision in ("bf16", "fp16") and (not plan.sixteen_bit_model or layer_norms_run_in_fp32(model, plan)):
         # autocast's recompute walks the fp32 residual stream again: casts, fp32 norms and adds, per checkpointed layer
         again = t["autocast_recompute_bytes"] * recomputed * padded_tokens * model.hidden_size * model.num_layers
         gpu_s += again / hbm
@@ -322,7 +322,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
         return "; ".join([f"throughput model fitted on H200 runs (bench/README.md): {measured}", *caveats])
     if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-28
         checked = (
-            "sessions 26-29): master-weights defaults ran from 1.9% above (StarCoder2) to 10.5% below their "
+            "sessions 26-29): master-weights defaults ran from 2.3% above (StarCoder2) to 10.5% below their "
             "prediction (Llama-3.2-3B; 9.6% on a rerun), Gemma-2 10.1%, Phi-3-mini 5.2%, Qwen2.5-Coder-3B 4.2% "
             "below, Qwen3-1.7B 0.1% above: plans of many small micro-batches leave the GPU idle 4-10% of the step"
             if plan.master_weights
