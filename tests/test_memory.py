@@ -133,8 +133,9 @@ def test_each_attention_path_keeps_its_own_k_v_and_output_tensors():
 def test_master_weights_keep_torchs_layer_norm_layers_as_autocast_does():
     """lfa's master weights run the 16-bit model under the trainer's autocast, whose fp32 list has torch's LayerNorm:
     without liger, StarCoder2's layer keeps what autocast over fp32 weights keeps (session 29 call 5: 122,992 bytes
-    per token and layer measured, 122,880 priced; 98,304 is the 16-bit model's without autocast). Liger's norms and
-    RMSNorm families keep the 16-bit model's bytes (Llama-3.2-3B, Qwen3-1.7B measured the same both ways)."""
+    per token and layer measured, 122,880 priced; 98,304 is the 16-bit model's without autocast). Under liger's norms
+    a layer keeps the 16-bit model's bytes (Llama-3.2-3B, Qwen3-1.7B measured the same both ways); RMSNorm families
+    without liger were not measured under autocast and are priced as 16-bit."""
     from lf_adapter.memory import _layer_bytes_per_token
     from lf_adapter.saved_tensors import saved_tensors_per_token
 
