@@ -138,17 +138,25 @@ def gpu_kind() -> str:
     return kind
 
 
+def zoo_config(name: str, overrides: dict | None = None):
+    """The transformers config of the zoo shape `name` (with `overrides` of its fields), with the bench tokenizer's
+    <pad>, <bos>, <eos> ids."""
+    from transformers import AutoConfig
+
+    shape = {"pad_token_id": 2, **ZOO[name], **(overrides or {})}
+    return AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
+
+
 def build_model(assets: Path, name: str, overrides: dict | None = None, suffix: str = "") -> Path:
     """A random-weight bf16 checkpoint of the zoo shape `name` (with `overrides` of its config fields), beside the
     bench tokenizer (assets/model)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     folder = assets / ("zoo_" + name.replace("/", "__") + suffix)
     if (folder / "config.json").exists():
         return folder
-    shape = {"pad_token_id": 2, **ZOO[name], **(overrides or {})}  # the bench tokenizer's <pad>, <bos>, <eos> ids
-    config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
+    config = zoo_config(name, overrides)
     config.dtype = torch.bfloat16
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

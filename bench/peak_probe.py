@@ -21,21 +21,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_zoo import ZOO  # noqa: E402
+from model_zoo import ZOO, zoo_config  # noqa: E402
 
 GIB = 1024**3
 
 
 def measure(name: str, mode: str, tokens: int, rows: int, checkpoint: int) -> dict:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from lf_adapter.plugin import padding_free
     from lf_adapter.plugin.hooks import checkpoint_first_layers
 
     sixteen_bit = mode == "16-bit"
-    shape = {"pad_token_id": 2, **ZOO[name]}
-    config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
+    config = zoo_config(name)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if sixteen_bit else torch.float32)

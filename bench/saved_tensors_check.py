@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_zoo import ZOO  # noqa: E402
+from model_zoo import ZOO, zoo_config  # noqa: E402
 
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.saved_tensors import saved_tensors_per_token  # noqa: E402
@@ -36,11 +36,10 @@ EAGER = {"gemma2"}  # lfa plans eager attention for soft-capped scores
 
 def build(name: str, layers: int, dtype, device):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     # a small vocabulary: the layers' tensors do not depend on it, the embedding would only fill memory
-    shape = {"pad_token_id": 2, **ZOO[name], "num_hidden_layers": layers, "vocab_size": 4096}
-    config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0, eos_token_id=1)
+    config = zoo_config(name, {"num_hidden_layers": layers, "vocab_size": 4096})
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

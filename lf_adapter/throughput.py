@@ -101,12 +101,12 @@ def predict_tokens_per_s(
     hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
     if plan.master_weights:
         gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / hbm
-    if plan.master_weights and not layer_norms_run_in_fp32(model, plan):
-        # the rates were fitted under autocast, whose residual stream is fp32: a 16-bit model does not move those
-        # bytes (per token, hidden unit and layer; the forward and the backward; autocast's recompute is priced below)
-        residual = t["autocast_residual_bytes"] * padded_tokens * model.hidden_size * model.num_layers
-        gpu_s -= min(residual / hbm, gpu_s / 2)  # narrow models: never more than half (the 1.3B's elementwise was 23%)
-    elif not plan.master_weights and not plan.deepspeed and plan.precision != "fp32" and not badam:
+        if not layer_norms_run_in_fp32(model, plan):
+            # the rates were fitted under autocast, whose residual stream is fp32: a 16-bit model does not move those
+            # bytes (per token, hidden unit and layer; forward and backward; autocast's recompute is priced below)
+            residual = t["autocast_residual_bytes"] * padded_tokens * model.hidden_size * model.num_layers
+            gpu_s -= min(residual / hbm, gpu_s / 2)  # never more than half (the 1.3B's elementwise was 23%)
+    elif not plan.deepspeed and plan.precision != "fp32" and not badam:
         # memory-bound work per micro-batch that grows with the model, not the tokens: autocast casts the fp32
         # weights to 16 bits (again for recomputed layers) and the 16-bit weight gradients are added into fp32 ones
         gpu_s += t["micro_batch_bytes_per_param"] * model.num_params / hbm
