@@ -162,12 +162,8 @@ def _model_states(model: ModelSpec, plan: Plan) -> tuple[dict[str, float], float
         grads_name = "gradients (16-bit" + (", partitioned)" if plan.shards_gradients else ")")
     states = {"weights (16-bit)": weights, grads_name: grads, "optimizer (fp32 master + Adam, partitioned)": optimizer}
     if to_host:
-        # stage_1_and_2.py: a 16-bit buffer of the largest weight's size stays on the GPU for the host copies, and each
-        # gradient's norm is taken over an fp64 copy when it is reduced: the lm_head's (untied) or an MLP matrix's
-        # while the activations are alive
-        top = model.hidden_size * model.intermediate_size if model.tied_embeddings else model.embedding_params
+        # stage_1_and_2.py: a 16-bit buffer of the largest weight's size stays on the GPU for the host copies
         states["offload staging buffer (the largest weight, 16-bit)"] = 2.0 * model.largest_tensor_params
-        states["gradient norm (fp64 copy of one weight's gradient)"] = 8.0 * top
     if plan.shards_parameters:
         states["zero3 gathered layer params"] = 2.0 * 2 * model.params_per_layer  # current + prefetched layer
     if n > 1 and not to_host:
@@ -192,8 +188,15 @@ def _end_of_backward_bytes(model: ModelSpec, plan: Plan, states: dict[str, float
         return 0.0
     embedding = model.embedding_params
     outside_bucket = 2.0 * embedding if embedding > reduce_bucket_elements() else 0.0
-    persistent = sum(v for k, v in states.items() if not k.startswith("gradient norm"))
-    return persistent + 8.0 * embedding + outside_bucket
+    return sum(states.values()) + 8.0 * embedding + outside_bucket
+
+
+def _offload_norm_copy_bytes(model: ModelSpec, plan: Plan) -> float:
+    """ZeRO-1/2 offload takes each gradient's norm over an fp64 copy when its bucket is reduced, in the backward
+    once the loss's tensors are freed: the lm_head's (untied) or an MLP matrix's; 0 for other plans."""
+    if not stages_gradients_to_host(plan):
+        return 0.0
+    return 8.0 * (model.hidden_size * model.intermediate_size if model.tied_embeddings else model.embedding_params)
 
 
 def micro_batch_tokens(plan: Plan, seq_len: int) -> int:
@@ -366,6 +369,7 @@ def _sixteen_bit_activations(model: ModelSpec, plan: Plan, per_token_layer: floa
     recompute = {
         "activations (the layer being recomputed)": per_token_layer * tokens,
         "lm_head gradient + the layer's input/output gradients": 2.0 * V * h + 4 * 2.0 * tokens * h,
+        "gradient norm (fp64 copy of one weight's gradient)": _offload_norm_copy_bytes(model, plan),
     }
     return {**items, **max(forward, recompute, key=lambda phase: sum(phase.values()))}
 
@@ -443,13 +447,7 @@ def estimate(
     allocated = sum(items.values())
     reserved = allocated * c["reserved_over_allocated"] + c["fixed_overhead_gib"]
     if plan.alloc_conf and "expandable_segments:True" in plan.alloc_conf:
-        # expandable segments leave little fragmentation; what stays is about the largest transient fp32 tensor's
-        # size: the logits (without liger) or one layer's eager attention scores
-        logits_fp32 = 0.0 if plan.liger else 4.0 * micro_batch_tokens(plan, seq_len) * model.vocab_size / GIB
-        largest_fp32 = max(logits_fp32, 4.0 * eager_scores(model, plan, seq_len) / GIB)
-        reserved = allocated + c["fixed_overhead_gib"] + c["expandable_logits_fraction"] * largest_fp32
-        if stages_gradients_to_host(plan):
-            reserved += c["offload_fragmentation_gib"]
+        reserved = allocated + c["fixed_overhead_gib"] + _cached_over_allocated(model, plan, seq_len)
     budget = vram_gib  # profiles carry usable memory; detect() subtracts the CUDA context
     return MemoryBreakdown(
         items=items,
@@ -458,6 +456,20 @@ def estimate(
         budget_gib=budget,
         headroom=headroom,
         phase=phase_name,
+    )
+
+
+def _cached_over_allocated(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """GiB the allocator keeps cached above the allocated peak with expandable segments: a share of the largest
+    transient fp32 tensor (the logits without liger, one layer's eager scores) or, under ZeRO-1/2 offload, what its
+    backward phases leave cached; the largest of them, as the blocks one phase frees are what the next reuses."""
+    c = coefficients()["allocator"]
+    logits_fp32 = 0.0 if plan.liger else 4.0 * micro_batch_tokens(plan, seq_len) * model.vocab_size
+    scores_fp32 = 4.0 * eager_scores(model, plan, seq_len)
+    return max(
+        c["expandable_logits_fraction"] * logits_fp32 / GIB,
+        c["expandable_eager_scores_fraction"] * scores_fp32 / GIB,
+        c["offload_fragmentation_gib"] if stages_gradients_to_host(plan) else 0.0,
     )
 
 
