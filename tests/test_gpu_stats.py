@@ -74,7 +74,7 @@ def test_without_the_sample_buffer_a_thread_polls_and_each_take_drains_it():
 def test_the_kernel_profile_sorts_gpu_time_by_what_the_kernels_do():
     from types import SimpleNamespace
 
-    from lf_adapter.plugin.comm_profile import kernel_breakdown, union_seconds
+    from lf_adapter.plugin.comm_profile import idle_gaps, kernel_breakdown, union_seconds
 
     def kernel(name, start, end, device="DeviceType.CUDA"):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
@@ -100,6 +100,19 @@ def test_the_kernel_profile_sorts_gpu_time_by_what_the_kernels_do():
         "copies, casts, other elementwise": 10e-6,
     }
     assert abs(union_seconds(spans) - 1000e-6) < 1e-12  # 800-900 µs: the GPU idled
+    gaps = idle_gaps(spans)  # the one wait, where it was and between which kernels
+    assert gaps["longest_gaps"] == [
+        [
+            0.1,
+            0.8,
+            "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>",
+            "void at::native::(anonymous)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+        ]
+    ]
+    assert gaps["gaps_of_1ms"] == 0 and gaps["kernels_span_s"] == 0.0011
+    later = idle_gaps([*spans, (2_600, 2_700, "sync_after_host_work"), (2_650, 2_800, "overlapping")])
+    assert later["gaps_of_1ms"] == 1 and later["gaps_of_1ms_s"] == 0.0015  # 1,100 -> 2,600 µs
+    assert later["longest_gaps"][0][:3] == [1.5, 1.1, "sm90_xmma_gemm_bf16bf16_bf16f32"]
     assert top[0] == ["sm90_xmma_gemm_bf16bf16_bf16f32", 0.0005, 2]  # two launches of one kernel, by name
     assert [name for name, _, _ in top[1:3]] == [
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT",

@@ -33,12 +33,15 @@ KERNEL_KINDS = (
 
 
 TOP_KERNELS = 12  # the kernels that took longest, by name, beside the kinds
+TOP_GAPS = 8  # the longest waits between kernels, with the kernels on either side
 
 
-def kernel_breakdown(events, device: str = "CUDA") -> tuple[dict[str, float], list[tuple[float, float]], list[list]]:
+def kernel_breakdown(
+    events, device: str = "CUDA"
+) -> tuple[dict[str, float], list[tuple[float, float, str]], list[list]]:
     """Seconds of the profiler's CUDA kernels (device "CUDA") or of the CPU's operators, each counted without the
-    operators it calls (device "CPU"), by KERNEL_KINDS; every kernel's (start, end) in µs (CUDA only: operators
-    nest), and the TOP_KERNELS names with the most time as [name, seconds, launches]."""
+    operators it calls (device "CPU"), by KERNEL_KINDS; every kernel's (start, end, name), times in µs (CUDA only:
+    operators nest), and the TOP_KERNELS names with the most time as [name, seconds, launches]."""
     seconds: dict[str, float] = {}
     by_name: dict[str, list] = {}
     spans = []
@@ -47,7 +50,7 @@ def kernel_breakdown(events, device: str = "CUDA") -> tuple[dict[str, float], li
             continue
         if device == "CUDA":
             start, end = event.time_range.start, event.time_range.end
-            spans.append((start, end))
+            spans.append((start, end, event.name))
             took = (end - start) / 1e6
         else:
             took = event.self_cpu_time_total / 1e6
@@ -72,10 +75,33 @@ def window_steps(value: str | None) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end] intervals (µs in, s out): concurrent buckets count once."""
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = TOP_GAPS) -> dict:
+    """Where the GPU waited between its first and last kernel (µs in): the `top` longest gaps as [ms, ms since the
+    first kernel, the kernel before, the kernel after] and the gaps of 1 ms or more (count, seconds): a few long
+    ones point at host work or a sync, many short ones at launches the CPU could not keep ahead of."""
+    gaps, first, reach, before = [], None, None, ""
+    for start, end, name in sorted(kernels):
+        if reach is not None and start > reach:
+            gaps.append((start - reach, reach - first, before, name))
+        if first is None:
+            first = start
+        if reach is None or end >= reach:
+            reach, before = end, name
+    long = [gap for gap in gaps if gap[0] >= 1000]
+    longest = sorted(gaps, key=lambda gap: -gap[0])[:top]
+    return {
+        "kernels_span_s": round((reach - first) / 1e6, 4) if kernels else 0.0,
+        "gaps_of_1ms": len(long),
+        "gaps_of_1ms_s": round(sum(gap[0] for gap in long) / 1e6, 4),
+        "longest_gaps": [[round(g / 1e3, 3), round(at / 1e3, 1), a[:80], b[:80]] for g, at, a, b in longest],
+    }
+
+
+def union_seconds(intervals: list[tuple]) -> float:
+    """Length of the union of [start, end] intervals (µs in, s out; anything after the end is ignored): concurrent
+    buckets count once."""
     total, current_start, current_end = 0.0, None, None
-    for start, end in sorted(intervals):
+    for start, end, *_ in sorted(intervals):
         if current_end is None or start > current_end:
             if current_end is not None:
                 total += current_end - current_start
@@ -160,6 +186,7 @@ class CommProfileCallback(TrainerCallback):
                 gpu_idle_s=round(max(0.0, wall - busy), 4),  # launch gaps, host work, syncs
                 kinds_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
                 top_kernels=top,
+                **(idle_gaps(kernel_spans) if device == "CUDA" else {}),
             )
         if args.world_size <= 1:
             return

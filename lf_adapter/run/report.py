@@ -514,6 +514,9 @@ def kernel_profile(report: RunReport) -> dict | None:
         "idle": idle,
         "rows": rows,
         "top": k.get("top_kernels") or [],
+        "gaps": k.get("longest_gaps") or [],  # [ms, ms since the first kernel, kernel before, kernel after]
+        "gaps_of_1ms": (k.get("gaps_of_1ms"), k.get("gaps_of_1ms_s")),
+        "kernels_span_s": k.get("kernels_span_s"),
     }
 
 
