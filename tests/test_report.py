@@ -298,3 +298,32 @@ def test_a_kernel_profile_reaches_the_summary_and_the_page(tmp_path, cpu_recipe)
     assert "Where the time went" in page and "<td>GEMMs</td>" in page and "aten::mm" in page
     _, path = write_report(_run_folder(tmp_path / "synthetic", status="succeeded"))
     assert "not profiled: <code>lfa train --kernel-profile</code>" in path.read_text()
+
+
+def test_a_gpu_kernel_profile_shows_where_the_gpu_waited(tmp_path):
+    run_dir = _run_folder(tmp_path, status="succeeded")
+    gaps = [[40.5, 812.0, "void pytorch_flash::flash_fwd_kernel<...>", "liger_cross_entropy_kernel"]]
+    kernels = {
+        "event": "kernels",
+        "first_step": 7,
+        "last_step": 7,
+        "window_s": 2.0,
+        "device": "cuda",
+        "gpu_busy_s": 1.8,
+        "gpu_idle_s": 0.2,
+        "kinds_s": {"GEMMs": 1.2, "attention": 0.6},
+        "top_kernels": [["nvjet_sm90_tst", 1.2, 100]],
+        "kernels_span_s": 1.95,
+        "gaps_of_1ms": 3,
+        "gaps_of_1ms_s": 0.0705,
+        "longest_gaps": gaps,
+        "attempt": 2,
+    }
+    with open(run_dir / "events.jsonl", "r+") as fh:  # before the torn last line the folder ends with
+        lines = fh.read().splitlines()
+        fh.seek(0)
+        fh.write("\n".join([*lines[:-1], json.dumps(kernels), lines[-1]]))
+    _, page = write_report(run_dir)
+    text = page.read_text()
+    assert "Longest GPU waits between kernels (3 of 1 ms or more, 0.070 s; the kernels spanned 1.950 s" in text
+    assert "<td>40.50</td><td>812.0</td><td>void pytorch_flash::flash_fwd_kernel&lt;...&gt;</td>" in text
