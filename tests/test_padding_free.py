@@ -103,6 +103,30 @@ def test_no_row_sees_another_and_no_label_crosses_a_boundary():
     assert not torch.allclose(leaky[9:], logits[1][9:])
 
 
+def test_the_attention_hands_its_input_gradients_back_as_views():
+    """transformers passes q/k/v as [1, heads, tokens, dim] views of [1, tokens, heads, dim] projections; taking the
+    single row by indexing makes autograd zero-fill a gradient of that shape and copy into it (a strided copy per
+    tensor and layer, then liger's RoPE copies it back to the projection's layout); squeezing keeps them views."""
+    from lf_adapter.plugin import padding_free
+
+    projections = [torch.randn(1, 12, 4, 8, requires_grad=True) for _ in range(3)]
+    query, key, value = (p.transpose(1, 2) for p in projections)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out, _ = padding_free.varlen_attention_forward(
+        None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7
+    )
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    assert not any(type(node).__name__.startswith("SelectBackward") for node in seen)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.shape == (1, 12, 4, 8) for p in projections)
+
+
 def test_batches_it_cannot_flatten_are_left_alone():
     from lf_adapter.plugin import padding_free
 

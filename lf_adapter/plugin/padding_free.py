@@ -101,7 +101,8 @@ def varlen_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     groups = query.size(1) // key.size(1)
-    q, k, v = query[0], _repeat_kv(key[0], groups), _repeat_kv(value[0], groups)  # [H, T, D]
+    # squeeze, not [0]: its backward is a view, where indexing zero-fills a [1, H, T, D] gradient and copies into it
+    q, k, v = query.squeeze(0), _repeat_kv(key.squeeze(0), groups), _repeat_kv(value.squeeze(0), groups)  # [H, T, D]
     if q.is_cuda and fast_kernel_on(q.device.index or 0):
         import torch
 
