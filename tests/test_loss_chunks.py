@@ -57,6 +57,7 @@ def test_bench_rows_record_the_kernels_they_ran():
     assert run_kernels.of_row(row) == run_kernels.KernelChoices(loss_chunk_min_rows=0, fused_gate_up=True)
     assert run_kernels.from_env({}) == run_kernels.KernelChoices()
     assert not run_kernels.from_env({contract.FUSED_GATE_UP: "0"}).fused_gate_up
+    assert not run_kernels.from_env({contract.ATTENTION_ROW_VIEW: "0"}).attention_row_view
 
 
 @pytest.mark.parametrize("value, rows", [(None, 2048), ("", 2048), ("0", 0), ("4096", 4096), ("x", 2048)])

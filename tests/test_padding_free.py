@@ -103,11 +103,14 @@ def test_no_row_sees_another_and_no_label_crosses_a_boundary():
     assert not torch.allclose(leaky[9:], logits[1][9:])
 
 
-def test_the_attention_hands_its_input_gradients_back_as_views():
+@pytest.mark.parametrize("row_view", ["", "0"])  # lfa's default, and indexing (LFA_ATTENTION_ROW_VIEW=0) to compare
+def test_the_attention_hands_its_input_gradients_back_as_views(row_view, monkeypatch):
     """transformers passes q/k/v as [1, heads, tokens, dim] views of [1, tokens, heads, dim] projections; taking the
     single row by indexing makes autograd zero-fill a gradient of that shape and copy into it (a strided copy per
     tensor and layer, then liger's RoPE copies it back to the projection's layout); squeezing keeps them views."""
-    from lf_adapter.plugin import padding_free
+    from lf_adapter.plugin import contract, padding_free
+
+    monkeypatch.setenv(contract.ATTENTION_ROW_VIEW, row_view)
 
     projections = [torch.randn(1, 12, 4, 8, requires_grad=True) for _ in range(3)]
     query, key, value = (p.transpose(1, 2) for p in projections)
@@ -122,7 +125,7 @@ def test_the_attention_hands_its_input_gradients_back_as_views():
             continue
         seen.add(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    assert not any(type(node).__name__.startswith("SelectBackward") for node in seen)
+    assert any(type(node).__name__.startswith("SelectBackward") for node in seen) == (row_view == "0")
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.shape == (1, 12, 4, 8) for p in projections)
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+
+from . import contract
 
 ATTENTION_NAME = "lfa_varlen"
 TEXT_KEYS = {"input_ids", "attention_mask", "labels"}
@@ -72,6 +75,15 @@ def _repeat_kv(x, groups: int):
     return x if groups == 1 else x.repeat_interleave(groups, dim=0)  # [kv_heads, T, D] -> [heads, T, D]
 
 
+def _one_row():
+    """How the attention takes the flattened micro-batch's one row of [1, H, T, D]: squeezed, so that autograd hands
+    the gradients back as views (indexing zero-fills a gradient of that shape and copies into it, and liger's RoPE
+    copies it back to the projection's layout); LFA_ATTENTION_ROW_VIEW=0 indexes, as before session 30, to compare."""
+    if os.environ.get(contract.ATTENTION_ROW_VIEW) == "0":
+        return lambda x: x[0]
+    return lambda x: x.squeeze(0)
+
+
 def _rows_reference(query, key, value, cu, scaling):
     """One causal SDPA call per row ([H, n, D] each): the exact reference, and the CPU path."""
     import torch
@@ -101,8 +113,8 @@ def varlen_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     groups = query.size(1) // key.size(1)
-    # squeeze, not [0]: its backward is a view, where indexing zero-fills a [1, H, T, D] gradient and copies into it
-    q, k, v = query.squeeze(0), _repeat_kv(key.squeeze(0), groups), _repeat_kv(value.squeeze(0), groups)  # [H, T, D]
+    row = _one_row()
+    q, k, v = row(query), _repeat_kv(row(key), groups), _repeat_kv(row(value), groups)  # [H, T, D]
     if q.is_cuda and fast_kernel_on(q.device.index or 0):
         import torch
 
