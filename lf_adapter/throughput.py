@@ -313,17 +313,17 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             if applies
         ]
         measured = (
-            "the master-weights default plans of 2026-12-06 within +2.3% (6.7B) and -4.5% to -8.3% (1.3B at a "
-            "31.73 GiB cap)"
+            "the master-weights default plans of 2026-12-06 within +2.3% (6.7B), +1.7% (1.3B) and -4.5% to -8.3% "
+            "(1.3B at a 31.73 GiB cap); six other families' defaults -9.3% (Gemma-2) to +10.6% (StarCoder2)"
             if plan.master_weights
             else "the default plans of 2026-12-04 within -7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% "
             "(6.7B width), the 350M width +0.2%"
         )
         return "; ".join([f"throughput model fitted on H200 runs (bench/README.md): {measured}", *caveats])
-    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-28
+    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-30
         checked = (
-            "sessions 26-29): master-weights defaults ran from 2.3% above (StarCoder2) to 10.5% below their "
-            "prediction (Llama-3.2-3B; 9.6% on a rerun), Gemma-2 10.1%, Phi-3-mini 5.2%, Qwen2.5-Coder-3B 4.2% "
+            "sessions 26-30): master-weights defaults ran from 6.4% above (StarCoder2) to 10.5% below their "
+            "prediction (Llama-3.2-3B; 9.6% on a rerun), Gemma-2 10.1%, Qwen2.5-Coder-3B 5.1%, Phi-3-mini 2.2-5.2% "
             "below, Qwen3-1.7B 0.1% above: plans of many small micro-batches leave the GPU idle 4-10% of the step"
             if plan.master_weights
             else "sessions 21-26): 18 runs of six families and the 1.3B/6.7B widths ran between 8.1% below and 6.8% "
