@@ -183,6 +183,7 @@ def steady_state(events_file: Path) -> dict:
         "micro_batches_per_step": [e.get("micro_batches") for e in steps],
         "largest_micro_batch_tokens": max((e.get("largest_micro_batch_tokens") or 0 for e in steps), default=None),
         "inactive_split_gib": steps[-1].get("gpu_inactive_split_gib") if steps else None,
+        "gc_frozen_objects": begin[-1].get("gc_frozen_objects") if begin else None,
     }
     if profiles:
         row["kernel_profile"] = profiles[-1]
@@ -192,6 +193,10 @@ def steady_state(events_file: Path) -> dict:
             steady_tokens_per_s=round(tokens / seconds),
             step_time_s=round(seconds / (len(steps) - 1), 3),
             tokens_per_step=round(tokens / (len(steps) - 1)),
+            # where the host held the GPU up: garbage collections and fetching + cutting each step's batch
+            gc_pause_s=round(sum(s.get("gc_pause_s") or 0 for s in steps[1:]), 4),
+            batch_collect_s=round(sum(s.get("batch_collect_s") or 0 for s in steps[1:]), 4),
+            step_times_s=[s["step_time_s"] for s in steps],
         )
     return row
 
@@ -381,6 +386,12 @@ def print_table(table: dict) -> None:
             kinds = ", ".join(f"{k} {v / p['window_s']:.1%}" for k, v in p["kinds_s"].items())
             idle = p["gpu_idle_s"] / p["window_s"]
             print(f"profile {label}: step {p['last_step']} {p['window_s']:.2f} s, GPU idle {idle:.1%}; {kinds}")
+    for label, row in table.items():  # what the host did between the GPU's work, step by step
+        if row.get("step_times_s"):
+            print(
+                f"host {label}: steps {row['step_times_s']} s, garbage collections {row.get('gc_pause_s')} s "
+                f"({row.get('gc_frozen_objects')} objects frozen), batch fetch + cut {row.get('batch_collect_s')} s"
+            )
 
 
 def main() -> None:

@@ -35,6 +35,10 @@ def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
     steps = [e for e in events if e["event"] == "step"]
     # non-pad tokens per step, counted inside the trainer with the padding mask dropped: 8 rows of at most 512
     assert len(steps) == 30 and all(8 <= e["step_tokens"] <= 8 * 512 for e in steps)
+    # lfa's launch freezes what is alive at train begin out of garbage collections; every step says what collections
+    # and fetching its batch took on the host
+    assert begin["gc_frozen_objects"] > 100_000
+    assert all(e["gc_pause_s"] >= 0 and e["gc_full_collections"] >= 0 and e["batch_collect_s"] > 0 for e in steps)
     output = recipe.parent / "saves" / "pseudo2norm"
     logs = [r for r in _losses(output) if "loss" in r]
     assert logs[-1]["current_steps"] == 30 and logs[-1]["loss"] < logs[0]["loss"] * 0.8

@@ -10,6 +10,7 @@ Environment (set by `lfa train`, or by tests and benchmarks; the names live in c
   LFA_STEP_DELAY_S          sleep this long after each step (gives kill/resume tests a window)
   LFA_SORTED_STEPS          length-sorted micro-batches inside each optimizer step (hooks.py, sampler.py)
   LFA_DROP_PADDING_MASK     no padding mask for right-padded text batches (hooks.drop_right_padding_mask)
+  LFA_GC_FREEZE             freeze the objects alive when training starts out of garbage collections (gc_pauses.py)
   LFA_BENCH_SKIP_FINAL_SAVE skip the final save_model after training (benchmarks on a small disk only)
 """
 
@@ -24,17 +25,20 @@ from collections.abc import Mapping
 from transformers import TrainerCallback
 
 from . import contract
+from .gc_pauses import CollectionClock, freeze_if_asked
 from .token_budget import MICRO_BATCHES
 
+GC_FROZEN = {"objects": None}  # objects frozen out of garbage collections at train begin (None: not asked)
 SAMPLER = {"name": None}  # which train sampler the patched trainer built (reported in train_begin)
 FIXED_MICRO_BATCH = {"rows": None}  # the recipe's micro-batch when token budgets hand the trainer whole steps
 _STEP_TOKENS = {"value": None}  # non-pad tokens of the current optimizer step, a device tensor until read
 
 
-def record_step_batches(batch_samples) -> None:
+def record_step_batches(batch_samples, collect_s: float | None = None) -> None:
     """Count the step's non-pad tokens where the trainer collects its micro-batches: the sum stays on the device
     (no sync per micro-batch); the events callback reads it once per optimizer step. Pops the count that the
-    collator left where it dropped the padding mask, before the model sees the batch."""
+    collator left where it dropped the padding mask, before the model sees the batch. collect_s: the host's seconds
+    to fetch and cut the step's batches (the GPU has nothing queued while the first one is cut)."""
     counts, flat, micro_batches, largest = [], 0, 0, 0
     for batch in batch_samples:
         if not isinstance(batch, Mapping):
@@ -52,6 +56,7 @@ def record_step_batches(batch_samples) -> None:
     _STEP_TOKENS["flat_micro_batches"] = flat
     _STEP_TOKENS["micro_batches"] = micro_batches
     _STEP_TOKENS["largest_micro_batch_tokens"] = largest
+    _STEP_TOKENS["batch_collect_s"] = None if collect_s is None else round(collect_s, 4)
 
 
 def _cuda():
@@ -108,6 +113,7 @@ class EventsCallback(TrainerCallback):
     def __init__(self, path: str):
         self.path, self.start, self.last = path, None, None
         self.write_failed = False
+        self.collections = CollectionClock()
 
     def emit(self, state, **event) -> None:
         if not state.is_world_process_zero:
@@ -145,6 +151,7 @@ class EventsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
+        self.collections.install()
         self.emit(
             state,
             event="train_begin",
@@ -155,6 +162,7 @@ class EventsCallback(TrainerCallback):
             world_size=args.world_size,
             sampler=SAMPLER["name"],
             token_budget=int(os.environ.get(contract.TOKEN_BUDGET, "0") or 0),
+            gc_frozen_objects=GC_FROZEN["objects"],
         )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -172,6 +180,8 @@ class EventsCallback(TrainerCallback):
             flat_micro_batches=_STEP_TOKENS.get("flat_micro_batches", 0),
             micro_batches=_STEP_TOKENS.get("micro_batches", 0),
             largest_micro_batch_tokens=_STEP_TOKENS.get("largest_micro_batch_tokens", 0),
+            batch_collect_s=_STEP_TOKENS.get("batch_collect_s"),
+            **self.collections.take(),
         )
         self.last = now
 
@@ -295,8 +305,15 @@ class GracefulStopCallback(TrainerCallback):
             control.should_training_stop = True
 
 
+class GcFreezeCallback(TrainerCallback):
+    """LFA_GC_FREEZE=1: once the model and data are loaded, their objects leave the garbage collector's walks."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        GC_FROZEN["objects"] = freeze_if_asked()
+
+
 def build() -> list:
-    callbacks = [FaultInjectionCallback(), GracefulStopCallback()]
+    callbacks = [GcFreezeCallback(), FaultInjectionCallback(), GracefulStopCallback()]
     if os.environ.get(contract.EVENTS_FILE):
         from .comm_profile import CommProfileCallback
 

@@ -7,6 +7,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 from pathlib import Path
 
 from . import contract
@@ -186,6 +187,7 @@ def _patch_sft_trainer(trainer_module) -> None:
 
     def get_batch_samples(self, *args, **kwargs):
         # the step's tokens are counted on the padded rows, as transformers counts for accumulation
+        started = time.perf_counter()
         batch_samples, num_items = original_batches(self, *args, **kwargs)
         budget = getattr(self, "_lfa_token_budget", 0)
         if budget:
@@ -195,7 +197,7 @@ def _patch_sft_trainer(trainer_module) -> None:
                 split_step(b, budget, flat, drop) or split_rows(b, lfa_callbacks.FIXED_MICRO_BATCH["rows"])
                 for b in batch_samples
             ]
-        lfa_callbacks.record_step_batches(batch_samples)
+        lfa_callbacks.record_step_batches(batch_samples, time.perf_counter() - started)
         return batch_samples, num_items
 
     def training_step(self, model, inputs, *args, **kwargs):

@@ -283,6 +283,15 @@ def launch_env(
             "(exact under causal attention; SDPA keeps its flash kernel)",
         )
     )
+    env.append(
+        LaunchEnv(
+            contract.GC_FREEZE,
+            "1",
+            "lfa plugin: objects alive when training starts are left out of Python's garbage collections "
+            "(a full collection walks them all while the GPU waits)",
+            keep_existing=True,
+        )
+    )
     for setting in PLUGIN_SETTINGS:
         value = setting.env_value(plan)
         if value is not None:

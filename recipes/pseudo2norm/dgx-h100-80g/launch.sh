@@ -27,6 +27,8 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
 export LFA_DROP_PADDING_MASK=1
+# lfa plugin: objects alive when training starts are left out of Python's garbage collections (a full collection walks them all while the GPU waits)
+export LFA_GC_FREEZE=${LFA_GC_FREEZE:-1}
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
 export LFA_PADDING_FREE=1
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)

@@ -9,6 +9,8 @@ export PYTHONPATH="$(python3 -c 'import lf_adapter.plugin as p; print(p.boot_dir
 export DISABLE_VERSION_CHECK=1
 # lfa plugin: right-padded batches train without a padding mask (exact under causal attention; SDPA keeps its flash kernel)
 export LFA_DROP_PADDING_MASK=1
+# lfa plugin: objects alive when training starts are left out of Python's garbage collections (a full collection walks them all while the GPU waits)
+export LFA_GC_FREEZE=${LFA_GC_FREEZE:-1}
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
 export LFA_CHECKPOINT_LAYERS=3
 # lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch weight casts)
