@@ -31,7 +31,7 @@ Runs (pick with --only a,b):
 bench/summarize.py takes the median of their ratios. --profile runs each lfa plan's last step under the torch
 profiler (LFA_KERNEL_PROFILE): GPU time by kernel kind; that step is left out of the steady state.
 
-usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix] [--repeats 3] [--profile]
+usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix] [--repeats 3] [--profile] [--pin FIELD=VALUE]
 """
 
 from __future__ import annotations
@@ -286,11 +286,13 @@ def run_generated(
     kernel_profile: bool = False,
     whole_profile: str = "h200",
     same_plan: str | None = None,
+    pins: tuple[str, ...] = (),
 ) -> dict:
     profile, gen_args, train_sets, _ = GENERATED[label]
     profile = whole_profile if profile == "h200" else profile
     if same_plan:
         gen_args = [*gen_args, *pins_of_plan(same_plan)]
+    gen_args = [*gen_args, *(x for pin in pins for x in ("--pin", pin))]
     key = key or label
     if kernel_profile:  # the last step, left out of the steady state
         env = {**env, contract.KERNEL_PROFILE: "1", contract.COMM_PROFILE_STEPS: f"{steps}-{steps}"}
@@ -409,6 +411,9 @@ def main() -> None:
         default="model",
         help="model folder under ASSETS_DIR for lfa's plans (model_6.7b: built by make_assets.py 6.7b)",
     )
+    parser.add_argument(
+        "--pin", action="append", default=[], help="FIELD=VALUE for every lfa plan of this invocation (repeatable)"
+    )
     args = parser.parse_args()
     work = args.assets / "seed"
     shutil.rmtree(work, ignore_errors=True)
@@ -445,7 +450,7 @@ def main() -> None:
                 continue
             table[key] = run_generated(
                 name, work, args.assets, args.out, env, spec, args.steps, args.model_dir, key, args.profile,
-                args.whole_profile, same_plan,
+                args.whole_profile, same_plan, tuple(args.pin),
             )  # fmt: skip
         print(
             f"BENCH {key} done in {time.time() - started:.0f}s: {json.dumps(table[key], default=str)[:400]}", flush=True

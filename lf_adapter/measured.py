@@ -107,12 +107,13 @@ def planning_margin(model: ModelSpec, hardware: HardwareProfile, use_measured: b
     """A measured peak of this shape on this card scales the activations up to it; else a family the memory model
     was not checked on gets the extra headroom catalog/memory_model.yaml names (validation: its figures and why)."""
     validation = coefficients()["validation"]
+    base = validation["headroom"] if hardware.world_size == 1 else DEFAULT_HEADROOM
     peak = measured_peak(model, hardware) if use_measured else None
     if peak is not None and peak.over > 0:
         plan = Plan.from_label(peak.plan)
         scale = fit_activation_scale(model, plan, peak.seq_len, peak.measured_allocated_gib)
         return PlanningMargin(
-            DEFAULT_HEADROOM,
+            base,
             scale,
             f"planned from a measured peak: {peak.plan} peaked at {peak.measured_reserved_gib:.2f} GiB reserved "
             f"against {peak.predicted_reserved_gib:.2f} GiB predicted on this card ({100 * peak.over:+.1f}%, run "
@@ -120,14 +121,14 @@ def planning_margin(model: ModelSpec, hardware: HardwareProfile, use_measured: b
         )
     families = validation["families"]
     if not hardware.has_gpu or model.arch in families:
-        return PlanningMargin(DEFAULT_HEADROOM, 1.0, "")
+        return PlanningMargin(base, 1.0, "")
     margin = validation["unvalidated_margin"]
-    headroom = 1.0 - (1.0 - DEFAULT_HEADROOM) / (1.0 + margin)
+    headroom = 1.0 - (1.0 - base) / (1.0 + margin)
     return PlanningMargin(
         headroom,
         1.0,
         f"{model.arch} is not among the families the memory model was checked on ({', '.join(families)}): "
-        f"planned with {100 * headroom:.0f}% headroom instead of {100 * DEFAULT_HEADROOM:.0f}%, room for a "
+        f"planned with {100 * headroom:.0f}% headroom instead of {100 * base:.0f}%, room for a "
         f"{100 * margin:.0f}% under-prediction ({validation['why']})",
     )
 

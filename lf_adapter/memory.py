@@ -17,7 +17,7 @@ from .strategy import Optimizer
 
 GIB = 2**30
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # plan precision -> config.json dtype
-DEFAULT_HEADROOM = 0.12
+DEFAULT_HEADROOM = 0.12  # where the checked rows say nothing: several GPUs, a re-plan after an OOM (measured.py)
 
 
 @lru_cache(maxsize=1)

@@ -299,6 +299,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     Example: lfa estimate recipes/pseudo2norm/v100-32g/train.yaml
     """
     from ..hardware import load_profile
+    from ..measured import planning_margin
     from ..memory import estimate as run_estimate
     from ..memory import host_memory
     from ..model_spec import load_model_spec
@@ -311,7 +312,10 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
         hw = recipe_hardware(r, hardware)
         p = plan_from_recipe(r, hw)
         spec = recipe_model_spec(r, model=model)
-        mem = run_estimate(spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None)
+        headroom = planning_margin(spec, hw, use_measured=False).headroom  # what lfa generate plans for
+        mem = run_estimate(
+            spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None, headroom
+        )
         host = host_memory(spec, p, hw)
         if as_json:
             click.echo(
@@ -336,7 +340,9 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     t = load_task(task)
     hw = load_profile(hardware or "detect")
     spec = load_model_spec(model or t.default_model)
-    result = plan(spec, hw, t.effective_batch_size, t.cutoff_len, PlanOptions(allow_packing=allow_packing))
+    margin = planning_margin(spec, hw, use_measured=False)
+    options = PlanOptions(allow_packing=allow_packing, headroom=margin.headroom)
+    result = plan(spec, hw, t.effective_batch_size, t.cutoff_len, options)
     if as_json:
         click.echo(
             json.dumps(

@@ -16,7 +16,7 @@ export LFA_PADDING_FREE=1
 # lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens (same rows per step)
 export LFA_TOKEN_BUDGET=4096
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS=16
+export LFA_CHECKPOINT_LAYERS=4
 # lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch weight casts)
 export LFA_MASTER_WEIGHTS=1
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)

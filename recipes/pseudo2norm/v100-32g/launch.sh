@@ -11,8 +11,6 @@ export DISABLE_VERSION_CHECK=1
 export LFA_DROP_PADDING_MASK=1
 # lfa plugin: objects alive when training starts are left out of Python's garbage collections (a full collection walks them all while the GPU waits)
 export LFA_GC_FREEZE=${LFA_GC_FREEZE:-1}
-# lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS=3
 # lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch weight casts)
 export LFA_MASTER_WEIGHTS=1
 # allocator: reuse memory across changing micro-batch shapes instead of fragmenting it
