@@ -31,7 +31,8 @@ Runs (pick with --only a,b):
 bench/summarize.py takes the median of their ratios. --profile runs each lfa plan's last step under the torch
 profiler (LFA_KERNEL_PROFILE): GPU time by kernel kind; that step is left out of the steady state.
 
-usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix] [--repeats 3] [--profile] [--pin FIELD=VALUE]
+usage: python bench/seed_scenario.py ASSETS_DIR OUT_DIR [--steps 6] [--only v100,seed_fix] [--repeats 3] [--profile]
+       [--pin FIELD=VALUE]
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
+from .measured import planning_margin
 from .memory import (
     DEFAULT_HEADROOM,
     HostMemory,
@@ -387,9 +388,10 @@ def predict(
     model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
 ) -> Candidate:
     """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
-    draws beside the measurements)."""
+    draws beside the measurements), judged against the headroom `lfa generate` plans with."""
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
-    return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram)
+    headroom = planning_margin(model, hardware, use_measured=False).headroom
+    return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram, headroom)
 
 
 def _price(
