@@ -104,8 +104,9 @@ class PlanningMargin:
 
 
 def planning_margin(model: ModelSpec, hardware: HardwareProfile, use_measured: bool = True) -> PlanningMargin:
-    """A measured peak of this shape on this card scales the activations up to it; else a family the memory model
-    was not checked on gets the extra headroom catalog/memory_model.yaml names (validation: its figures and why)."""
+    """The headroom: catalog/memory_model.yaml's (validation) for one GPU, memory.py's 12% for several. A measured
+    peak of this shape on this card scales the activations up to it; else a family the memory model was not checked
+    on gets the extra headroom the catalog names (validation: its figures and why)."""
     validation = coefficients()["validation"]
     base = validation["headroom"] if hardware.world_size == 1 else DEFAULT_HEADROOM
     peak = measured_peak(model, hardware) if use_measured else None
