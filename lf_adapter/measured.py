@@ -134,5 +134,11 @@ def planning_margin(model: ModelSpec, hardware: HardwareProfile, use_measured: b
     )
 
 
+def generate_headroom(model: ModelSpec, hardware: HardwareProfile) -> float:
+    """The headroom `lfa generate` plans this model on this card with (a measured peak changes the activations'
+    scale, not this): what estimate, review and a run's pre-flight judge a recipe against."""
+    return planning_margin(model, hardware, use_measured=False).headroom
+
+
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from . import UserError
 from .hardware import HardwareProfile
-from .measured import planning_margin
+from .measured import generate_headroom
 from .memory import (
     DEFAULT_HEADROOM,
     HostMemory,
@@ -390,7 +390,7 @@ def predict(
     """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
     draws beside the measurements), judged against the headroom `lfa generate` plans with."""
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
-    headroom = planning_margin(model, hardware, use_measured=False).headroom
+    headroom = generate_headroom(model, hardware)
     return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram, headroom)
 
 

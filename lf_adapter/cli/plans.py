@@ -299,7 +299,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     Example: lfa estimate recipes/pseudo2norm/v100-32g/train.yaml
     """
     from ..hardware import load_profile
-    from ..measured import planning_margin
+    from ..measured import generate_headroom
     from ..memory import estimate as run_estimate
     from ..memory import host_memory
     from ..model_spec import load_model_spec
@@ -312,10 +312,10 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
         hw = recipe_hardware(r, hardware)
         p = plan_from_recipe(r, hw)
         spec = recipe_model_spec(r, model=model)
-        headroom = planning_margin(spec, hw, use_measured=False).headroom  # what lfa generate plans for
         mem = run_estimate(
-            spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None, headroom
-        )
+            spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None,
+            generate_headroom(spec, hw),
+        )  # fmt: skip
         host = host_memory(spec, p, hw)
         if as_json:
             click.echo(
@@ -340,8 +340,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     t = load_task(task)
     hw = load_profile(hardware or "detect")
     spec = load_model_spec(model or t.default_model)
-    margin = planning_margin(spec, hw, use_measured=False)
-    options = PlanOptions(allow_packing=allow_packing, headroom=margin.headroom)
+    options = PlanOptions(allow_packing=allow_packing, headroom=generate_headroom(spec, hw))
     result = plan(spec, hw, t.effective_batch_size, t.cutoff_len, options)
     if as_json:
         click.echo(

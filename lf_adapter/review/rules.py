@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..guard import forbidden_output_dir, foreign_entries, read_marker
 from ..hardware import HardwareProfile
-from ..measured import planning_margin
+from ..measured import generate_headroom
 from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
@@ -498,8 +498,7 @@ def gpu_memory(c: RuleContext) -> None:
     gpu, plan = c.gpu, c.plan
     if c.spec is None or gpu is None:
         return
-    headroom = planning_margin(c.spec, c.hardware, use_measured=False).headroom  # what lfa generate plans for
-    mem = estimate(c.spec, plan, int(c.d.get("cutoff_len", 2048)), gpu.vram_gib, headroom)
+    mem = estimate(c.spec, plan, int(c.d.get("cutoff_len", 2048)), gpu.vram_gib, generate_headroom(c.spec, c.hardware))
     if mem.reserved_gib > gpu.vram_gib:
         c.add(
             "error",
