@@ -83,6 +83,7 @@ ZOO: dict[str, dict] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         pad_token_id=2,
+        sliding_window=2047,  # the hub config (rows of 2,048 tokens cross it; rows before session 32 ran without it)
     ),
     "google/gemma-2-2b": dict(
         model_type="gemma2",

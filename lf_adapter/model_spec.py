@@ -56,11 +56,6 @@ class ModelSpec:
                 f"{self.arch} drops attention weights while training (attention_dropout {self.attention_dropout:g}), "
                 "which torch's varlen kernel cannot: padding-free would train without that dropout"
             )
-        if self.sliding_window and self.sliding_window < seq_len:
-            return (
-                f"{self.arch} attends within a sliding window of {self.sliding_window} tokens, shorter than "
-                f"cutoff_len {seq_len}; the varlen kernel lfa calls attends to the whole row"
-            )
         return None
 
     @property

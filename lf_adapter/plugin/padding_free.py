@@ -84,19 +84,22 @@ def _one_row():
     return lambda x: x.squeeze(0)
 
 
-def _rows_reference(query, key, value, cu, scaling):
-    """One causal SDPA call per row ([H, n, D] each): the exact reference, and the CPU path."""
+def _rows_reference(query, key, value, cu, scaling, window: int | None = None):
+    """One causal SDPA call per row ([H, n, D] each): the exact reference, and the CPU path. window: each token
+    sees itself and at most window - 1 earlier tokens (transformers' sliding_window_overlay)."""
     import torch
     import torch.nn.functional as F
 
     outputs = []
     bounds = cu.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, start:end], key[:, start:end], value[:, start:end], is_causal=True, scale=scaling
-            )
-        )
+        q, k, v = query[:, start:end], key[:, start:end], value[:, start:end]
+        if window and end - start > window:
+            seen = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device)
+            seen = seen.tril().triu(-(window - 1))
+            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scaling))
+        else:
+            outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling))
     return torch.cat(outputs, dim=1)
 
 
@@ -115,7 +118,11 @@ def varlen_attention_forward(
     groups = query.size(1) // key.size(1)
     row = _one_row()
     q, k, v = row(query), _repeat_kv(row(key), groups), _repeat_kv(row(value), groups)  # [H, T, D]
-    if q.is_cuda and fast_kernel_on(q.device.index or 0):
+    # the layer's sliding window where the family has one (Phi-3, Mistral, StarCoder2), as transformers passes it
+    window = kwargs.get("sliding_window") or None
+    if window and int(kwargs["max_length_q"]) <= window:
+        window = None  # no row is longer than the window: plain causal attention
+    if q.is_cuda and fast_kernel_on(q.device.index or 0) and (window is None or _torch_varlen()[1]):
         import torch
 
         if q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
@@ -123,7 +130,8 @@ def varlen_attention_forward(
             dtype = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         varlen, has_window = _torch_varlen()
-        extra = {"window_size": (-1, 0)} if has_window else {"is_causal": True}  # causal: see no later token
+        # causal: see no later token; within a window: at most window - 1 earlier ones too
+        extra = {"window_size": (window - 1 if window else -1, 0)} if has_window else {"is_causal": True}
         out = varlen(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -136,11 +144,23 @@ def varlen_attention_forward(
             **extra,
         )  # [T, H, D]
         return out.unsqueeze(0), None
-    out = _rows_reference(q, k, v, cu, scaling)  # [H, T, D]
+    if window and q.is_cuda and fast_kernel_on(q.device.index or 0):
+        _say_once(
+            "lfa: padding-free: this torch's varlen kernel takes no sliding window: rows longer than the window "
+            f"({window} tokens) take the exact per-row path, slower"
+        )
+    out = _rows_reference(q, k, v, cu, scaling, window)  # [H, T, D]
     return out.transpose(0, 1).unsqueeze(0), None
 
 
 _VARLEN: dict = {}
+_SAID: set = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, flush=True)
 
 
 def _torch_varlen():
