@@ -24,6 +24,8 @@ Runs (pick with --only a,b):
   capped_padded, h200_padded    --no-padding-free --no-token-budget: the default plans of 2026-12-03 (sorted steps)
   h200_fullgc                   --no-token-budget, micro-batch 8, all 32 layers recomputed (the 6.7B's; 6.7B only)
   capped_tb                     --pin token_budget=16384
+  h200_compile, capped_compile  the h200 / capped plan, each decoder layer under torch.compile and liger keeping only
+                                its fused loss (LFA_COMPILE_LAYERS=1)
   h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the
                                                       h200 plan
 
@@ -97,7 +99,15 @@ GENERATED = {
     "capped_master": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
     "capped_master_same": ("h200-capped-32g", FP16 + ["--pin", "master_weights=true"], [], True),
 }
-SAME_PLAN_AS = {"h200_master_same": "h200", "capped_master_same": "capped"}  # label -> the label whose plan it pins
+GENERATED["h200_compile"] = GENERATED["h200"]  # the same plan with each decoder layer under torch.compile
+GENERATED["capped_compile"] = GENERATED["capped"]
+LABEL_ENV = {"h200_compile": {contract.COMPILE_LAYERS: "1"}, "capped_compile": {contract.COMPILE_LAYERS: "1"}}
+SAME_PLAN_AS = {  # label -> the label whose plan it pins
+    "h200_master_same": "h200",
+    "capped_master_same": "capped",
+    "h200_compile": "h200",
+    "capped_compile": "capped",
+}
 
 
 def pins_of_plan(label: str) -> list[str]:
@@ -295,6 +305,7 @@ def run_generated(
         gen_args = [*gen_args, *pins_of_plan(same_plan)]
     gen_args = [*gen_args, *(x for pin in pins for x in ("--pin", pin))]
     key = key or label
+    env = {**env, **LABEL_ENV.get(label, {})}
     if kernel_profile:  # the last step, left out of the steady state
         env = {**env, contract.KERNEL_PROFILE: "1", contract.COMM_PROFILE_STEPS: f"{steps}-{steps}"}
     folder, run_dir = work / key, work / "runs" / key

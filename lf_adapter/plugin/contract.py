@@ -20,6 +20,9 @@ COMM_PROFILE_STEPS = "LFA_COMM_PROFILE_STEPS"  # "3-4" (default), "off": the com
 KERNEL_PROFILE = "LFA_KERNEL_PROFILE"  # "1": profile that window on one process too, GPU time by kernel kind
 FUSED_GATE_UP = "LFA_FUSED_GATE_UP"  # "0": liger's Phi-3 MLP as liger runs it (chunk copies), for comparison
 LOSS_CHUNK_ROWS = "LFA_LOSS_CHUNK_ROWS"  # N: liger's fused loss in chunks of at least N rows (unset 2048, "0" liger's)
+# "1" (inductor) or a dynamo backend's name: torch.compile each decoder layer, liger keeping only its fused loss (a
+# bench experiment, issue 33: never planned, not priced)
+COMPILE_LAYERS = "LFA_COMPILE_LAYERS"
 ATTENTION_ROW_VIEW = "LFA_ATTENTION_ROW_VIEW"  # "0": varlen attention indexes its row (before session 30), to compare
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)

@@ -147,6 +147,44 @@ def checkpoint_first_layers(model, k: int) -> tuple[int, int] | None:
     return min(k, len(layers)), len(layers)
 
 
+def compile_decoder_layers(model, backend: str) -> int:
+    """torch.compile every decoder layer in place (dynamic shapes: token-budget micro-batches vary in length); the
+    number compiled. The layers share their code, so dynamo's per-code cache is raised above the layer count."""
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, 2 * len(layers) + 8)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 8 * len(layers) + 64)
+    for layer in layers:
+        layer.compile(dynamic=True, backend="inductor" if backend == "1" else backend)
+    return len(layers)
+
+
+# liger's per-layer kernels (autograd.Functions dynamo cannot trace in torch 2.11, bench/README.md session 27)
+LIGER_LAYER_KERNELS = ("rope", "rms_norm", "swiglu", "geglu", "layer_norm")
+
+
+def _liger_loss_only(monkey_patch_module) -> None:
+    """Under LFA_COMPILE_LAYERS liger keeps its fused loss and leaves the decoder layers' norms, MLP activations and
+    rotary embedding to the compiled layers: every apply_liger_kernel_to_* LLaMA-Factory calls gets them off."""
+    import functools
+    import inspect
+
+    for name in dir(monkey_patch_module):
+        apply = getattr(monkey_patch_module, name)
+        if not name.startswith("apply_liger_kernel_to_") or not callable(apply):
+            continue
+        off = {k: False for k in LIGER_LAYER_KERNELS if k in inspect.signature(apply).parameters}
+
+        @functools.wraps(apply)
+        def loss_only(*args, _apply=apply, _off=off, **kwargs):
+            return _apply(*args, **{**kwargs, **_off})
+
+        setattr(monkey_patch_module, name, loss_only)
+
+
 def _padding_free_usable(model) -> str | None:
     """Why padding-free cannot train exactly and fast here (None: it can). On a CUDA GPU it needs torch's varlen
     flash attention (torch >= 2.10, sm80+); the per-row reference path is for CPUs."""
@@ -271,6 +309,10 @@ def _set_up_model(model) -> None:
         else:
             os.environ[contract.PADDING_FREE] = "0"  # the data workers, forked later, read it
             print(f"lfa: padding-free needs {why_not}: training padded", flush=True)
+    backend = os.environ.get(contract.COMPILE_LAYERS, "").strip()
+    if backend and backend != "0":
+        compiled = compile_decoder_layers(model, backend)
+        print(f"lfa: {compiled} decoder layers under torch.compile ({contract.COMPILE_LAYERS}={backend})", flush=True)
     layers = _env_int(contract.CHECKPOINT_LAYERS)
     if layers:
         done = checkpoint_first_layers(model, layers)
@@ -346,4 +388,6 @@ def install() -> None:
     _AFTER_IMPORT["llamafactory.train.tuner"] = _wrap_run_exp
     _AFTER_IMPORT["llamafactory.train.sft.trainer"] = _patch_sft_trainer
     _AFTER_IMPORT["llamafactory.data.collator"] = _patch_collator
+    if os.environ.get(contract.COMPILE_LAYERS, "0").strip() not in ("", "0"):
+        _AFTER_IMPORT["liger_kernel.transformers.monkey_patch"] = _liger_loss_only
     sys.meta_path.insert(0, _AfterImportFinder())

@@ -122,14 +122,15 @@ def varlen_attention_forward(
     window = kwargs.get("sliding_window") or None
     if window and int(kwargs["max_length_q"]) <= window:
         window = None  # no row is longer than the window: plain causal attention
-    if q.is_cuda and fast_kernel_on(q.device.index or 0) and (window is None or _torch_varlen()[1]):
+    kernel = _kernel_for(q)
+    if kernel is not None and (window is None or kernel[1]):
         import torch
 
         if q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
             # as SDPA does under autocast: the flash kernel takes 16-bit inputs (StarCoder2's reach it in fp32)
             dtype = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        varlen, has_window = _torch_varlen()
+        varlen, has_window = kernel
         # causal: see no later token; within a window: at most window - 1 earlier ones too
         extra = {"window_size": (window - 1 if window else -1, 0)} if has_window else {"is_causal": True}
         out = varlen(
@@ -144,7 +145,7 @@ def varlen_attention_forward(
             **extra,
         )  # [T, H, D]
         return out.unsqueeze(0), None
-    if window and q.is_cuda and fast_kernel_on(q.device.index or 0):
+    if window and kernel is not None:
         _say_once(
             "lfa: padding-free: this torch's varlen kernel takes no sliding window: rows longer than the window "
             f"({window} tokens) take the exact per-row path, slower"
@@ -177,7 +178,23 @@ def _torch_varlen():
 
 def fast_kernel_on(device_index: int) -> bool:
     """Whether torch's varlen flash attention runs on this CUDA device (torch >= 2.10, sm80+)."""
-    return _torch_varlen() is not None and _flash_capable(device_index)
+    if device_index not in _FAST_ON:
+        _FAST_ON[device_index] = _torch_varlen() is not None and _flash_capable(device_index)
+    return _FAST_ON[device_index]
+
+
+_FAST_ON: dict[int, bool] = {}  # device index -> fast_kernel_on, filled before training (read under torch.compile)
+
+
+def _kernel_for(q):
+    """(varlen_attn, whether it takes window_size) for q's device, or None (the per-row path): plain lookups, so
+    that a compiled layer traces through it (fast_kernel_on ran when the model was set up)."""
+    if not q.is_cuda:
+        return None
+    index = q.device.index or 0
+    if index not in _FAST_ON:
+        fast_kernel_on(index)
+    return _VARLEN["fn"] if _FAST_ON[index] else None
 
 
 @functools.lru_cache(maxsize=8)
