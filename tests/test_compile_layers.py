@@ -110,7 +110,8 @@ def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-
     return _varlen_rows(q, k, v, cu_q, scale or q.size(-1) ** -0.5, window_size[0] + 1 if window_size[0] >= 0 else 0)
 
 
-def test_compiled_layers_trace_whole_and_train_the_eager_step(monkeypatch):
+@pytest.mark.parametrize("recompute", [False, True])  # LLaMA-Factory's checkpointing is reentrant
+def test_compiled_layers_trace_whole_and_train_the_eager_step(monkeypatch, recompute):
     from test_padding_free import _loss_and_grads, _padded_batch, _tiny_model
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -119,6 +120,10 @@ def test_compiled_layers_trace_whole_and_train_the_eager_step(monkeypatch):
     for model in (eager, compiled):
         model.config.use_cache = False
         padding_free.use_on(model)
+        if recompute:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
+            model.train()
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     assert hooks.compile_decoder_layers(compiled, counter) == 2
