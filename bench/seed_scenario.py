@@ -403,8 +403,9 @@ def print_table(table: dict) -> None:
     for label, row in table.items():  # what the host did between the GPU's work, step by step
         if row.get("step_times_s"):
             print(
-                f"host {label}: steps {row['step_times_s']} s, garbage collections {row.get('gc_pause_s')} s "
-                f"({row.get('gc_frozen_objects')} objects frozen), batch fetch + cut {row.get('batch_collect_s')} s"
+                f"host {label}: step times {row['step_times_s']} s (the first is warm-up); over the steady steps "
+                f"garbage collections {row.get('gc_pause_s')} s ({row.get('gc_frozen_objects')} objects frozen), "
+                f"batch fetch + cut {row.get('batch_collect_s')} s"
             )
 
 
