@@ -176,28 +176,22 @@ def _torch_varlen():
     return _VARLEN["fn"]
 
 
+_FAST_ON: dict[int, bool] = {}  # device index -> fast_kernel_on, filled before training (read under torch.compile)
+
+
 def fast_kernel_on(device_index: int) -> bool:
-    """Whether torch's varlen flash attention runs on this CUDA device (torch >= 2.10, sm80+)."""
+    """Whether torch's varlen flash attention runs on this CUDA device (torch >= 2.10, sm80+); a plain dict lookup
+    once asked, so that a compiled layer traces through it."""
     if device_index not in _FAST_ON:
         _FAST_ON[device_index] = _torch_varlen() is not None and _flash_capable(device_index)
     return _FAST_ON[device_index]
 
 
-_FAST_ON: dict[int, bool] = {}  # device index -> fast_kernel_on, filled before training (read under torch.compile)
-
-
 def _kernel_for(q):
-    """(varlen_attn, whether it takes window_size) for q's device, or None (the per-row path): plain lookups, so
-    that a compiled layer traces through it (fast_kernel_on ran when the model was set up)."""
-    if not q.is_cuda:
-        return None
-    index = q.device.index or 0
-    if index not in _FAST_ON:
-        fast_kernel_on(index)
-    return _VARLEN["fn"] if _FAST_ON[index] else None
+    """(varlen_attn, whether it takes window_size) for q's device, or None (the per-row path)."""
+    return _VARLEN["fn"] if q.is_cuda and fast_kernel_on(q.device.index or 0) else None
 
 
-@functools.lru_cache(maxsize=8)
 def _flash_capable(device_index: int) -> bool:
     """torch's varlen attention is Flash Attention: sm80+ (a V100 takes the per-row SDPA path, exact and slower)."""
     import torch
