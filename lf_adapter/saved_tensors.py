@@ -21,7 +21,8 @@ def _norm_bytes(model: ModelSpec, liger: bool, input_bytes: float) -> float:
 
 # how the attention keeps its tensors: padded SDPA (k and v at the key-value heads' width, its output transposed
 # into a copy for o_proj), lfa's varlen path (k and v repeated to the query heads by padding_free._repeat_kv, its
-# [tokens, heads, dim] output is o_proj's input itself), eager (transformers' repeat_kv copies, a transposed copy);
+# [tokens, heads, dim] output is o_proj's input itself; a torch whose kernel takes enable_gqa keeps them unrepeated,
+# still priced repeated: not measured yet), eager (transformers' repeat_kv copies, a transposed copy);
 # the flash-attn package's padded path (fa2) is priced as sdpa
 AttentionPath = Literal["sdpa", "varlen", "eager"]
 

@@ -105,8 +105,10 @@ def _backward(ctx, grad):
 _varlen_rows.register_autograd(_backward, setup_context=_save)
 
 
-def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0)):
+def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=False):
     """torch's varlen_attn as one opaque op, on the CPU: the kernel a GPU run compiles around."""
+    if enable_gqa:  # [T, heads, D] from [T, key-value heads, D]
+        k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
     return _varlen_rows(q, k, v, cu_q, scale or q.size(-1) ** -0.5, window_size[0] + 1 if window_size[0] >= 0 else 0)
 
 
@@ -115,7 +117,8 @@ def test_compiled_layers_trace_whole_and_train_the_eager_step(monkeypatch, recom
     from test_padding_free import _loss_and_grads, _padded_batch, _tiny_model
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    monkeypatch.setattr(padding_free, "_kernel_for", lambda q: (_cpu_varlen, True))
+    kernel = padding_free.VarlenKernel(_cpu_varlen, takes_window=True, takes_gqa=True)
+    monkeypatch.setattr(padding_free, "_kernel_for", lambda q: kernel)
     eager, compiled = _tiny_model(2), _tiny_model(2)
     for model in (eager, compiled):
         model.config.use_cache = False

@@ -47,11 +47,33 @@ def _loss_and_grads(model, batch, num_items):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-# full attention heads, grouped-query attention, and a sliding window shorter than the rows (Phi-3-mini-4k's 2,047
-# at cutoff 2,048): lfa's attention keeps the window that transformers' padded path masks
-@pytest.mark.parametrize("kv_heads,window", [(4, None), (2, None), (2, 6)])
-def test_a_flattened_step_equals_the_padded_step(kv_heads, window):
+def _gqa_kernel(seen_kv_heads: list):
+    """A stand-in for torch's varlen_attn that takes enable_gqa (the CPU has no flash kernel): it notes how many
+    key-value heads reach it and attends as the per-row reference does."""
     from lf_adapter.plugin import padding_free
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=False):
+        seen_kv_heads.append(k.size(1))
+        if enable_gqa:
+            k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+        window = window_size[0] + 1 if window_size[0] >= 0 else None
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        return padding_free._rows_reference(q, k, v, cu_q, scale, window).transpose(0, 1)
+
+    return padding_free.VarlenKernel(attend, takes_window=True, takes_gqa=True)
+
+
+# full attention heads, grouped-query attention, and a sliding window shorter than the rows (Phi-3-mini-4k's 2,047
+# at cutoff 2,048): lfa's attention keeps the window that transformers' padded path masks; on the CPU's per-row
+# path and through a kernel that reads grouped key-value heads without copies (enable_gqa)
+@pytest.mark.parametrize("kernel", ["per-row", "gqa"])
+@pytest.mark.parametrize("kv_heads,window", [(4, None), (2, None), (2, 6)])
+def test_a_flattened_step_equals_the_padded_step(kv_heads, window, kernel, monkeypatch):
+    from lf_adapter.plugin import padding_free
+
+    seen_kv_heads = []
+    if kernel == "gqa":
+        monkeypatch.setattr(padding_free, "_kernel_for", lambda q: _gqa_kernel(seen_kv_heads))
 
     lengths = [17, 5, 11, 9]
     padded = _padded_batch(lengths)
@@ -70,6 +92,8 @@ def test_a_flattened_step_equals_the_padded_step(kv_heads, window):
     assert torch.allclose(loss_flat, loss_padded, atol=1e-6, rtol=1e-5)
     for name, grad in grads_padded.items():
         assert torch.allclose(grads_flat[name], grad, atol=1e-6, rtol=1e-4), name
+    if kernel == "gqa":  # each layer's keys reach the kernel with the model's key-value heads, not repeated
+        assert seen_kv_heads == [kv_heads] * model.config.num_hidden_layers
     if window:  # the window matters: without it the rows of 9-17 tokens train otherwise
         model.config.sliding_window = None
         assert not torch.allclose(_loss_and_grads(model, dict(flat), num_items)[0], loss_flat, atol=1e-4)

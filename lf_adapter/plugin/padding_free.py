@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 from . import contract
 
@@ -117,23 +119,26 @@ def varlen_attention_forward(
         )
     groups = query.size(1) // key.size(1)
     row = _one_row()
-    q, k, v = row(query), _repeat_kv(row(key), groups), _repeat_kv(row(value), groups)  # [H, T, D]
+    q, k, v = row(query), row(key), row(value)  # [heads or key-value heads, T, D]
     # the layer's sliding window where the family has one (Phi-3, Mistral, StarCoder2), as transformers passes it
     window = kwargs.get("sliding_window") or None
     if window and int(kwargs["max_length_q"]) <= window:
         window = None  # no row is longer than the window: plain causal attention
     kernel = _kernel_for(q)
-    if kernel is not None and (window is None or kernel[1]):
+    if kernel is not None and (window is None or kernel.takes_window):
         import torch
 
         if q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
             # as SDPA does under autocast: the flash kernel takes 16-bit inputs (StarCoder2's reach it in fp32)
             dtype = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        varlen, has_window = kernel
         # causal: see no later token; within a window: at most window - 1 earlier ones too
-        extra = {"window_size": (window - 1 if window else -1, 0)} if has_window else {"is_causal": True}
-        out = varlen(
+        extra = {"window_size": (window - 1 if window else -1, 0)} if kernel.takes_window else {"is_causal": True}
+        if groups > 1 and kernel.takes_gqa:  # the kernel reads each key-value head for its group: no copies
+            extra["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+        out = kernel.attend(
             q.transpose(0, 1),
             k.transpose(0, 1),
             v.transpose(0, 1),
@@ -150,8 +155,16 @@ def varlen_attention_forward(
             "lfa: padding-free: this torch's varlen kernel takes no sliding window: rows longer than the window "
             f"({window} tokens) take the exact per-row path, slower"
         )
-    out = _rows_reference(q, k, v, cu, scaling, window)  # [H, T, D]
+    out = _rows_reference(q, _repeat_kv(k, groups), _repeat_kv(v, groups), cu, scaling, window)  # [H, T, D]
     return out.transpose(0, 1).unsqueeze(0), None
+
+
+class VarlenKernel(NamedTuple):
+    """torch.nn.attention.varlen.varlen_attn and the keywords this torch's version of it takes."""
+
+    attend: Callable
+    takes_window: bool  # window_size (torch 2.11+), else is_causal
+    takes_gqa: bool  # enable_gqa: fewer key-value heads than query heads, read without repeating them
 
 
 _VARLEN: dict = {}
@@ -164,13 +177,14 @@ def _say_once(message: str) -> None:
         print(message, flush=True)
 
 
-def _torch_varlen():
-    """(torch.nn.attention.varlen.varlen_attn, whether it takes window_size) or None before torch 2.10."""
+def _torch_varlen() -> VarlenKernel | None:
+    """torch's varlen attention with what its signature takes, or None before torch 2.10."""
     if "fn" not in _VARLEN:
         try:
             from torch.nn.attention.varlen import varlen_attn
 
-            _VARLEN["fn"] = (varlen_attn, "window_size" in inspect.signature(varlen_attn).parameters)
+            takes = inspect.signature(varlen_attn).parameters
+            _VARLEN["fn"] = VarlenKernel(varlen_attn, "window_size" in takes, "enable_gqa" in takes)
         except ImportError:
             _VARLEN["fn"] = None
     return _VARLEN["fn"]
@@ -187,8 +201,8 @@ def fast_kernel_on(device_index: int) -> bool:
     return _FAST_ON[device_index]
 
 
-def _kernel_for(q):
-    """(varlen_attn, whether it takes window_size) for q's device, or None (the per-row path)."""
+def _kernel_for(q) -> VarlenKernel | None:
+    """torch's varlen kernel for q's device, or None (the per-row path)."""
     return _VARLEN["fn"] if q.is_cuda and fast_kernel_on(q.device.index or 0) else None
 
 
