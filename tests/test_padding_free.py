@@ -54,10 +54,11 @@ def _gqa_kernel(seen_kv_heads: list):
 
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=False):
         seen_kv_heads.append(k.size(1))
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, T, D], as the per-row path takes them
         if enable_gqa:
-            k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+            groups = q.size(0) // k.size(0)
+            k, v = padding_free._repeat_kv(k, groups), padding_free._repeat_kv(v, groups)
         window = window_size[0] + 1 if window_size[0] >= 0 else None
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
         return padding_free._rows_reference(q, k, v, cu_q, scale, window).transpose(0, 1)
 
     return padding_free.VarlenKernel(attend, takes_window=True, takes_gqa=True)
