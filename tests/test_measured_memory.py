@@ -69,3 +69,16 @@ def test_a_peak_above_the_prediction_warns_and_the_next_generate_plans_from_it(c
     other = cpu_recipe("max_steps=3", name="calm", extra=("--logging-steps", "1"))
     calm = run_lfa("train", other, "--run-dir", tmp_path / "run2", env=env)
     assert calm.returncode == 0 and "WARNING" not in calm.stdout and not quiet.exists()
+
+
+def test_a_peak_under_settings_the_plan_does_not_price_warns_but_is_not_stored(cpu_recipe, tmp_path):
+    recipe = cpu_recipe("max_steps=3", extra=("--logging-steps", "1"))
+    predicted = _meta(recipe)["predicted_reserved_gib"]
+    cache = tmp_path / "cache"
+    env = {contract.INJECT_PEAK_GIB: str(round(predicted * 1.25, 3)), measured.CACHE_DIR: str(cache)}
+    env[contract.COMPILE_LAYERS] = "eager"  # dynamo without inductor: the compiled layers, quick on a CPU
+    trained = run_lfa("train", recipe, "--run-dir", tmp_path / "run", env=env)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    warning = _ledger(tmp_path / "run")["attempts"][0]["memory_warning"]
+    assert "above the predicted" in warning and "LFA_COMPILE_LAYERS=eager" in warning and "not stored" in warning
+    assert "[attempt 1] lfa: GPU memory peaked" in trained.stdout and not cache.exists()

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import contract
+from . import contract, run_kernels
 
 _AFTER_IMPORT = {}  # module name -> function(module) called right after the module has executed
 
@@ -162,12 +162,6 @@ def compile_decoder_layers(model, backend: str) -> int:
     return len(layers)
 
 
-def _compile_backend() -> str | None:
-    """LFA_COMPILE_LAYERS: "1" (inductor) or a dynamo backend's name; unset, empty or "0": no compile."""
-    value = os.environ.get(contract.COMPILE_LAYERS, "").strip()
-    return value if value not in ("", "0") else None
-
-
 # liger's per-layer kernels (autograd.Functions dynamo cannot trace in torch 2.11, bench/README.md session 27)
 LIGER_LAYER_KERNELS = ("rope", "rms_norm", "swiglu", "geglu", "layer_norm")
 
@@ -315,7 +309,7 @@ def _set_up_model(model) -> None:
         else:
             os.environ[contract.PADDING_FREE] = "0"  # the data workers, forked later, read it
             print(f"lfa: padding-free needs {why_not}: training padded", flush=True)
-    backend = _compile_backend()
+    backend = run_kernels.compile_backend(os.environ)
     if backend:
         compiled = compile_decoder_layers(model, backend)
         print(f"lfa: {compiled} decoder layers under torch.compile ({contract.COMPILE_LAYERS}={backend})", flush=True)
@@ -394,6 +388,6 @@ def install() -> None:
     _AFTER_IMPORT["llamafactory.train.tuner"] = _wrap_run_exp
     _AFTER_IMPORT["llamafactory.train.sft.trainer"] = _patch_sft_trainer
     _AFTER_IMPORT["llamafactory.data.collator"] = _patch_collator
-    if _compile_backend():
+    if run_kernels.compile_backend(os.environ):
         _AFTER_IMPORT["liger_kernel.transformers.monkey_patch"] = _liger_loss_only
     sys.meta_path.insert(0, _AfterImportFinder())

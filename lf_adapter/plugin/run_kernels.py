@@ -53,6 +53,29 @@ def record(env) -> dict:
     return asdict(from_env(env))
 
 
+def compile_backend(env) -> str | None:
+    """LFA_COMPILE_LAYERS: "1" (inductor) or a dynamo backend's name; unset, empty or "0": no compile."""
+    from . import contract
+
+    value = env.get(contract.COMPILE_LAYERS, "").strip()
+    return value if value not in ("", "0") else None
+
+
+def unpriced(env) -> list[str]:
+    """The settings in env under which a run's memory is not what its plan was priced for: kernel choices other than
+    the priced ones, and torch.compile of the layers (a bench experiment, never priced)."""
+    from . import contract
+
+    ran, planned = from_env(env), priced()
+    found = [
+        f"{f.name}={getattr(ran, f.name)}"
+        for f in fields(KernelChoices)
+        if getattr(ran, f.name) != getattr(planned, f.name)
+    ]
+    backend = compile_backend(env)
+    return found + ([f"{contract.COMPILE_LAYERS}={backend}"] if backend else [])
+
+
 @contextlib.contextmanager
 def measured_with(choices: KernelChoices):
     """Price as a measured run ran."""

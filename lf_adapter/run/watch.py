@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import BinaryIO
 
 from ..measured import OVER_PREDICTION, MeasuredPeak, card_key, now_iso, record_peak, shape_key
 from ..nvml_session import gpu_used_gib
-from ..plugin import contract
+from ..plugin import contract, run_kernels
 from .ledger import (
     AttemptRecord,
 )
@@ -249,11 +250,14 @@ def peak_above_prediction(setup: RunSetup, record: AttemptRecord, state: dict) -
     )
     if peak.over <= OVER_PREDICTION:
         return None
-    stored = record_peak(peak)
     warning = (
         f"GPU memory peaked at {measured:.2f} GiB reserved, {100 * peak.over:.1f}% above the predicted "
-        f"{predicted:.2f} GiB (the memory model's error on this model)"
+        f"{predicted:.2f} GiB"
     )
-    return warning + (
+    unpriced = run_kernels.unpriced(os.environ)
+    if unpriced:  # another memory than the plan's: the next plan must not learn from it
+        return f"{warning} (under {', '.join(unpriced)}, which the plan does not price: not stored)"
+    stored = record_peak(peak)
+    return f"{warning} (the memory model's error on this model)" + (
         f"; stored in {stored}: the next lfa generate of this model on this card plans from it" if stored else ""
     )
