@@ -74,7 +74,7 @@ def test_a_flattened_step_equals_the_padded_step(kv_heads, window, kernel, monke
 
     seen_kv_heads = []
     if kernel == "gqa":
-        monkeypatch.setattr(padding_free, "_kernel_for", lambda q: _gqa_kernel(seen_kv_heads))
+        monkeypatch.setattr(padding_free, "_kernel_for", lambda q, windowed=False: _gqa_kernel(seen_kv_heads))
 
     lengths = [17, 5, 11, 9]
     padded = _padded_batch(lengths)
