@@ -207,7 +207,12 @@ def _kernel_for(q, windowed: bool = False) -> VarlenKernel | None:
     chose it and the layer has no sliding window."""
     if not q.is_cuda or not fast_kernel_on(q.device.index or 0):
         return None
-    return _VARLEN["cudnn"] if _VARLEN["cudnn"] is not None and not windowed else _VARLEN["fn"]
+    return _kernel_of(windowed)
+
+
+def _kernel_of(windowed: bool) -> VarlenKernel | None:
+    cudnn = _VARLEN.get("cudnn")
+    return cudnn if cudnn is not None and not windowed else _VARLEN["fn"]
 
 
 def _cudnn_varlen() -> VarlenKernel | None:
@@ -217,10 +222,15 @@ def _cudnn_varlen() -> VarlenKernel | None:
 
     if os.environ.get(contract.VARLEN_KERNEL) != "cudnn" or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
         return None
-    forward = torch.ops.aten._cudnn_attention_forward.default._schema
-    if "cum_seq_q" not in {a.name for a in forward.arguments}:
+    forward = torch.ops.aten._cudnn_attention_forward
+    if "cum_seq_q" not in {a.name for a in forward.default._schema.arguments}:
         return None
-    function = _cudnn_varlen_function()
+    return cudnn_kernel(forward, torch.ops.aten._cudnn_attention_backward)
+
+
+def cudnn_kernel(forward_op, backward_op) -> VarlenKernel:
+    """varlen_attn's calling convention over aten's cuDNN attention ops (or stand-ins with their schemas)."""
+    function = _cudnn_varlen_function(forward_op, backward_op)
 
     def attend(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, scale=None, is_causal=True):
         """varlen_attn's calling convention: [T, H, D] each, equal head counts."""
@@ -229,15 +239,13 @@ def _cudnn_varlen() -> VarlenKernel | None:
     return VarlenKernel(attend, takes_window=False, takes_gqa=False)
 
 
-def _cudnn_varlen_function():
+def _cudnn_varlen_function(forward_op, backward_op):
     import torch
 
     class CudnnVarlen(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
-            result = torch.ops.aten._cudnn_attention_forward(
-                q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, is_causal, False, scale=scale
-            )
+            result = forward_op(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, is_causal, False, scale=scale)
             out, lse, seed, offset = result[0], result[1], result[6], result[7]
             ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
             ctx.args = (max_q, max_k, scale, is_causal)
@@ -247,7 +255,7 @@ def _cudnn_varlen_function():
         def backward(ctx, grad):
             q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
             max_q, max_k, scale, is_causal = ctx.args
-            dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            dq, dk, dv = backward_op(
                 grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, is_causal,
                 scale=scale,
             )  # fmt: skip
