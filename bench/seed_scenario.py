@@ -26,8 +26,6 @@ Runs (pick with --only a,b):
   capped_tb                     --pin token_budget=16384
   h200_compile, capped_compile  the h200 / capped plan, each decoder layer under torch.compile and liger keeping only
                                 its fused loss (LFA_COMPILE_LAYERS=1)
-  h200_cudnn, capped_cudnn      the h200 / capped plan, padding-free attention through cuDNN's ragged SDPA
-                                (LFA_VARLEN_KERNEL=cudnn)
   h200_zero2_offload, h200_zero3, h200_zero3_offload  DeepSpeed on one GPU through FORCE_TORCHRUN=1 (--pin), vs the
                                                       h200 plan
 
@@ -103,21 +101,12 @@ GENERATED = {
 }
 GENERATED["h200_compile"] = GENERATED["h200"]  # the same plan with each decoder layer under torch.compile
 GENERATED["capped_compile"] = GENERATED["capped"]
-GENERATED["h200_cudnn"] = GENERATED["h200"]  # the same plan, padding-free attention through cuDNN's ragged SDPA
-GENERATED["capped_cudnn"] = GENERATED["capped"]
-LABEL_ENV = {
-    "h200_compile": {contract.COMPILE_LAYERS: "1"},
-    "capped_compile": {contract.COMPILE_LAYERS: "1"},
-    "h200_cudnn": {contract.VARLEN_KERNEL: "cudnn"},
-    "capped_cudnn": {contract.VARLEN_KERNEL: "cudnn"},
-}
+LABEL_ENV = {"h200_compile": {contract.COMPILE_LAYERS: "1"}, "capped_compile": {contract.COMPILE_LAYERS: "1"}}
 SAME_PLAN_AS = {  # label -> the label whose plan it pins
     "h200_master_same": "h200",
     "capped_master_same": "capped",
     "h200_compile": "h200",
     "capped_compile": "capped",
-    "h200_cudnn": "h200",
-    "capped_cudnn": "capped",
 }
 
 

@@ -118,7 +118,7 @@ def test_compiled_layers_trace_whole_and_train_the_eager_step(monkeypatch, recom
     from torch._dynamo.testing import CompileCounterWithBackend
 
     kernel = padding_free.VarlenKernel(_cpu_varlen, takes_window=True, takes_gqa=True)
-    monkeypatch.setattr(padding_free, "_kernel_for", lambda q, windowed=False: kernel)
+    monkeypatch.setattr(padding_free, "_kernel_for", lambda q: kernel)
     eager, compiled = _tiny_model(2), _tiny_model(2)
     for model in (eager, compiled):
         model.config.use_cache = False

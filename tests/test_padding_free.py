@@ -64,62 +64,17 @@ def _gqa_kernel(seen_kv_heads: list):
     return padding_free.VarlenKernel(attend, takes_window=True, takes_gqa=True)
 
 
-def _bound(op, args, kwargs) -> dict:
-    """A call's arguments by the names of the aten op's own schema (positional order and keywords)."""
-    names = [a.name for a in op.default._schema.arguments]
-    return {**dict(zip(names, args)), **kwargs}
-
-
-def _cudnn_stand_ins(calls: list):
-    """aten's cuDNN attention ops as the CPU cannot run them: arguments read by the real schemas' names, the
-    per-row reference for the output, autograd through it for the gradients."""
-    from lf_adapter.plugin import padding_free
-
-    aten = torch.ops.aten
-
-    def attend(q, k, v, cu, scale, is_causal):
-        assert is_causal
-        return padding_free._rows_reference(*(x.transpose(0, 1) for x in (q, k, v)), cu, scale).transpose(0, 1)
-
-    def forward(*args, **kwargs):
-        a = _bound(aten._cudnn_attention_forward, args, kwargs)
-        calls.append(("forward", a["query"].size(1), a["max_q"]))
-        assert a["compute_log_sumexp"] and a["dropout_p"] == 0.0 and a["attn_bias"] is None
-        assert torch.equal(a["cum_seq_q"], a["cum_seq_k"])
-        out = attend(a["query"], a["key"], a["value"], a["cum_seq_q"], a["scale"], a["is_causal"])
-        seed = torch.zeros(2, dtype=torch.int64)
-        lse = torch.zeros(a["query"].size(1), a["query"].size(0))
-        return out, lse, a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], seed, seed, None
-
-    def backward(*args, **kwargs):
-        a = _bound(aten._cudnn_attention_backward, args, kwargs)
-        calls.append(("backward", a["query"].size(1), a["max_q"]))
-        assert a["dropout_p"] == 0.0 and a["out"].shape == a["grad_out"].shape == a["query"].shape
-        with torch.enable_grad():
-            q, k, v = (a[n].detach().requires_grad_() for n in ("query", "key", "value"))
-            out = attend(q, k, v, a["cum_seq_q"], a["scale"], a["is_causal"])
-            return torch.autograd.grad(out, (q, k, v), a["grad_out"])
-
-    return padding_free.cudnn_kernel(forward, backward)
-
-
 # full attention heads, grouped-query attention, and a sliding window shorter than the rows (Phi-3-mini-4k's 2,047
 # at cutoff 2,048): lfa's attention keeps the window that transformers' padded path masks; on the CPU's per-row
 # path and through a kernel that reads grouped key-value heads without copies (enable_gqa)
-@pytest.mark.parametrize("kernel", ["per-row", "gqa", "cudnn"])
+@pytest.mark.parametrize("kernel", ["per-row", "gqa"])
 @pytest.mark.parametrize("kv_heads,window", [(4, None), (2, None), (2, 6)])
 def test_a_flattened_step_equals_the_padded_step(kv_heads, window, kernel, monkeypatch):
     from lf_adapter.plugin import padding_free
 
-    seen_kv_heads, cudnn_calls = [], []
+    seen_kv_heads = []
     if kernel == "gqa":
-        monkeypatch.setattr(padding_free, "_kernel_for", lambda q, windowed=False: _gqa_kernel(seen_kv_heads))
-    if kernel == "cudnn":  # LFA_VARLEN_KERNEL=cudnn: cuDNN where the layer has no window, varlen_attn where it has
-        if "cum_seq_q" not in {a.name for a in torch.ops.aten._cudnn_attention_forward.default._schema.arguments}:
-            pytest.skip("this torch's cuDNN attention op takes no sequence boundaries")
-        monkeypatch.setitem(padding_free._VARLEN, "fn", _gqa_kernel(seen_kv_heads))
-        monkeypatch.setitem(padding_free._VARLEN, "cudnn", _cudnn_stand_ins(cudnn_calls))
-        monkeypatch.setattr(padding_free, "_kernel_for", lambda q, windowed=False: padding_free._kernel_of(windowed))
+        monkeypatch.setattr(padding_free, "_kernel_for", lambda q: _gqa_kernel(seen_kv_heads))
 
     lengths = [17, 5, 11, 9]
     padded = _padded_batch(lengths)
@@ -140,10 +95,6 @@ def test_a_flattened_step_equals_the_padded_step(kv_heads, window, kernel, monke
         assert torch.allclose(grads_flat[name], grad, atol=1e-6, rtol=1e-4), name
     if kernel == "gqa":  # each layer's keys reach the kernel with the model's key-value heads, not repeated
         assert seen_kv_heads == [kv_heads] * model.config.num_hidden_layers
-    if kernel == "cudnn":  # every layer's forward and backward went to cuDNN, heads repeated; a window to varlen_attn
-        layers = model.config.num_hidden_layers
-        expected = [("forward", 4, 17)] * layers + [("backward", 4, 17)] * layers
-        assert (sorted(cudnn_calls), seen_kv_heads) == ((sorted(expected), []) if not window else ([], [2] * layers))
     if window:  # the window matters: without it the rows of 9-17 tokens train otherwise
         model.config.sliding_window = None
         assert not torch.allclose(_loss_and_grads(model, dict(flat), num_items)[0], loss_flat, atol=1e-4)

@@ -23,8 +23,6 @@ LOSS_CHUNK_ROWS = "LFA_LOSS_CHUNK_ROWS"  # N: liger's fused loss in chunks of at
 # "1" (inductor) or a dynamo backend's name: torch.compile each decoder layer, liger keeping only its fused loss (a
 # bench experiment, issue 33: never planned, not priced)
 COMPILE_LAYERS = "LFA_COMPILE_LAYERS"
-# "cudnn": padding-free attention through cuDNN's ragged SDPA where the layer has no window (issue 33, measuring)
-VARLEN_KERNEL = "LFA_VARLEN_KERNEL"
 ATTENTION_ROW_VIEW = "LFA_ATTENTION_ROW_VIEW"  # "0": varlen attention indexes its row (before session 30), to compare
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)

@@ -124,7 +124,7 @@ def varlen_attention_forward(
     window = kwargs.get("sliding_window") or None
     if window and int(kwargs["max_length_q"]) <= window:
         window = None  # no row is longer than the window: plain causal attention
-    kernel = _kernel_for(q, windowed=window is not None)
+    kernel = _kernel_for(q)
     if kernel is not None and (window is None or kernel.takes_window):
         import torch
 
@@ -187,7 +187,6 @@ def _torch_varlen() -> VarlenKernel | None:
             _VARLEN["fn"] = VarlenKernel(varlen_attn, "window_size" in takes, "enable_gqa" in takes)
         except ImportError:
             _VARLEN["fn"] = None
-        _VARLEN["cudnn"] = _cudnn_varlen() if _VARLEN["fn"] is not None else None
     return _VARLEN["fn"]
 
 
@@ -202,66 +201,9 @@ def fast_kernel_on(device_index: int) -> bool:
     return _FAST_ON[device_index]
 
 
-def _kernel_for(q, windowed: bool = False) -> VarlenKernel | None:
-    """torch's varlen kernel for q's device, or None (the per-row path); cuDNN's where LFA_VARLEN_KERNEL=cudnn
-    chose it and the layer has no sliding window."""
-    if not q.is_cuda or not fast_kernel_on(q.device.index or 0):
-        return None
-    return _kernel_of(windowed)
-
-
-def _kernel_of(windowed: bool) -> VarlenKernel | None:
-    cudnn = _VARLEN.get("cudnn")
-    return cudnn if cudnn is not None and not windowed else _VARLEN["fn"]
-
-
-def _cudnn_varlen() -> VarlenKernel | None:
-    """LFA_VARLEN_KERNEL=cudnn: cuDNN's ragged SDPA (aten's _cudnn_attention_forward/backward with cumulative
-    sequence lengths, what torch 2.14's varlen_attn runs itself on Hopper with cuDNN >= 9.18), else None."""
-    import torch
-
-    if os.environ.get(contract.VARLEN_KERNEL) != "cudnn" or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-        return None
-    forward = torch.ops.aten._cudnn_attention_forward
-    if "cum_seq_q" not in {a.name for a in forward.default._schema.arguments}:
-        return None
-    return cudnn_kernel(forward, torch.ops.aten._cudnn_attention_backward)
-
-
-def cudnn_kernel(forward_op, backward_op) -> VarlenKernel:
-    """varlen_attn's calling convention over aten's cuDNN attention ops (or stand-ins with their schemas)."""
-    function = _cudnn_varlen_function(forward_op, backward_op)
-
-    def attend(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, scale=None, is_causal=True):
-        """varlen_attn's calling convention: [T, H, D] each, equal head counts."""
-        return function.apply(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal)
-
-    return VarlenKernel(attend, takes_window=False, takes_gqa=False)
-
-
-def _cudnn_varlen_function(forward_op, backward_op):
-    import torch
-
-    class CudnnVarlen(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
-            result = forward_op(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, is_causal, False, scale=scale)
-            out, lse, seed, offset = result[0], result[1], result[6], result[7]
-            ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
-            ctx.args = (max_q, max_k, scale, is_causal)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
-            max_q, max_k, scale, is_causal = ctx.args
-            dq, dk, dv = backward_op(
-                grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, is_causal,
-                scale=scale,
-            )  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None, None
-
-    return CudnnVarlen
+def _kernel_for(q) -> VarlenKernel | None:
+    """torch's varlen kernel for q's device, or None (the per-row path)."""
+    return _VARLEN["fn"] if q.is_cuda and fast_kernel_on(q.device.index or 0) else None
 
 
 def _flash_capable(device_index: int) -> bool:
@@ -301,8 +243,6 @@ def use_on(model) -> None:
     register()
     model.config._attn_implementation = ATTENTION_NAME
     kernel = "torch's varlen flash attention on sm80+ GPUs" if _torch_varlen() is not None else "no varlen kernel"
-    if _VARLEN.get("cudnn") is not None:
-        kernel = f"cuDNN's ragged SDPA ({contract.VARLEN_KERNEL}=cudnn), {kernel} for sliding windows"
     print(
         f"lfa: padding-free: each micro-batch's rows flattened into one sequence, attention kept per row "
         f"({ATTENTION_NAME}: {kernel}; one causal SDPA call per row elsewhere)",

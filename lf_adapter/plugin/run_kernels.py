@@ -13,12 +13,11 @@ class KernelChoices:
     loss_chunk_min_rows: int = 2048  # liger's fused loss in chunks of at least this many rows (0: liger's own)
     fused_gate_up: bool = True  # liger's Phi-3 MLP through its fused gate-up SwiGLU (plugin/fused_mlp.py)
     attention_row_view: bool = True  # lfa's varlen attention squeezes its one row: its gradients stay views
-    varlen_kernel: str = "flash"  # padding-free attention: torch's varlen_attn ("flash") or cuDNN's ragged SDPA
 
 
 # what runs used before each choice existed: liger's own chunks and its chunked Phi-3 MLP (before session 28), the
 # attention's row taken by indexing (before session 30)
-BEFORE = KernelChoices(loss_chunk_min_rows=0, fused_gate_up=False, attention_row_view=False, varlen_kernel="flash")
+BEFORE = KernelChoices(loss_chunk_min_rows=0, fused_gate_up=False, attention_row_view=False)
 ROW_KEY = "kernels"
 _priced = [KernelChoices()]
 
@@ -47,7 +46,6 @@ def from_env(env) -> KernelChoices:
         loss_chunk_min_rows=min_rows_from_env(env.get(contract.LOSS_CHUNK_ROWS)),
         fused_gate_up=env.get(contract.FUSED_GATE_UP) != "0",
         attention_row_view=env.get(contract.ATTENTION_ROW_VIEW) != "0",
-        varlen_kernel="cudnn" if env.get(contract.VARLEN_KERNEL) == "cudnn" else "flash",
     )
 
 
