@@ -82,3 +82,8 @@ def test_a_peak_under_settings_the_plan_does_not_price_warns_but_is_not_stored(c
     warning = _ledger(tmp_path / "run")["attempts"][0]["memory_warning"]
     assert "above the predicted" in warning and "LFA_COMPILE_LAYERS=eager" in warning and "not stored" in warning
     assert "[attempt 1] lfa: GPU memory peaked" in trained.stdout and not cache.exists()
+    # the kernel choices the plan was priced for are named by their variables when a run leaves them
+    from lf_adapter.plugin import run_kernels
+
+    assert run_kernels.unpriced({}) == [] and run_kernels.unpriced({contract.ATTENTION_ROW_VIEW: "1"}) == []
+    assert run_kernels.unpriced({contract.FUSED_GATE_UP: "0"}) == [f"{contract.FUSED_GATE_UP}=0"]

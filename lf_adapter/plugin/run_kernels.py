@@ -37,15 +37,26 @@ def carried(row: dict) -> dict:
     return {ROW_KEY: row[ROW_KEY]} if ROW_KEY in row else {}
 
 
-def from_env(env) -> KernelChoices:
-    """The choices a process with this environment runs (contract's knobs)."""
+def _knobs() -> dict[str, str]:
+    """Each choice's environment variable (contract's knobs)."""
     from . import contract
+
+    return {
+        "loss_chunk_min_rows": contract.LOSS_CHUNK_ROWS,
+        "fused_gate_up": contract.FUSED_GATE_UP,
+        "attention_row_view": contract.ATTENTION_ROW_VIEW,
+    }
+
+
+def from_env(env) -> KernelChoices:
+    """The choices a process with this environment runs."""
     from .loss_chunks import min_rows_from_env
 
+    knob = _knobs()
     return KernelChoices(
-        loss_chunk_min_rows=min_rows_from_env(env.get(contract.LOSS_CHUNK_ROWS)),
-        fused_gate_up=env.get(contract.FUSED_GATE_UP) != "0",
-        attention_row_view=env.get(contract.ATTENTION_ROW_VIEW) != "0",
+        loss_chunk_min_rows=min_rows_from_env(env.get(knob["loss_chunk_min_rows"])),
+        fused_gate_up=env.get(knob["fused_gate_up"]) != "0",
+        attention_row_view=env.get(knob["attention_row_view"]) != "0",
     )
 
 
@@ -66,9 +77,9 @@ def unpriced(env) -> list[str]:
     the priced ones, and torch.compile of the layers (a bench experiment, never priced)."""
     from . import contract
 
-    ran, planned = from_env(env), priced()
+    ran, planned, knob = from_env(env), priced(), _knobs()
     found = [
-        f"{f.name}={getattr(ran, f.name)}"
+        f"{knob[f.name]}={env.get(knob[f.name])}"
         for f in fields(KernelChoices)
         if getattr(ran, f.name) != getattr(planned, f.name)
     ]
