@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass, fields
 
+from . import contract
+
 
 @dataclass(frozen=True)
 class KernelChoices:
@@ -39,8 +41,6 @@ def carried(row: dict) -> dict:
 
 def _knobs() -> dict[str, str]:
     """Each choice's environment variable (contract's knobs)."""
-    from . import contract
-
     return {
         "loss_chunk_min_rows": contract.LOSS_CHUNK_ROWS,
         "fused_gate_up": contract.FUSED_GATE_UP,
@@ -66,8 +66,6 @@ def record(env) -> dict:
 
 def compile_backend(env) -> str | None:
     """LFA_COMPILE_LAYERS: "1" (inductor) or a dynamo backend's name; unset, empty or "0": no compile."""
-    from . import contract
-
     value = env.get(contract.COMPILE_LAYERS, "").strip()
     return value if value not in ("", "0") else None
 
@@ -75,8 +73,6 @@ def compile_backend(env) -> str | None:
 def unpriced(env) -> list[str]:
     """The settings in env under which a run's memory is not what its plan was priced for: kernel choices other than
     the priced ones, and torch.compile of the layers (a bench experiment, never priced)."""
-    from . import contract
-
     ran, planned, knob = from_env(env), priced(), _knobs()
     found = [
         f"{knob[f.name]}={env.get(knob[f.name])}"
