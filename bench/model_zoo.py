@@ -252,7 +252,10 @@ def run_one(
             largest_micro_batch_tokens=measured.get("largest_micro_batch_tokens"),
             inactive_split_gib=measured.get("inactive_split_gib"),
             kernel_profile=measured.get("kernel_profile"),
-            **{k: measured.get(k) for k in ("gc_frozen_objects", "gc_pause_s", "batch_collect_s", "step_times_s")},
+            **{
+                k: measured.get(k)
+                for k in ("gc_frozen_objects", "gc_pause_s", "batch_collect_s", "step_times_s", "jit_compiles")
+            },
             memory_items_gib=first.get("predicted", {}).get("memory_gib"),
         )
     for key_name, (p, m) in {"reserved_error": ("predicted_reserved_gib", "peak_reserved_gib"),

@@ -208,7 +208,14 @@ def steady_state(events_file: Path) -> dict:
             gc_pause_s=round(sum(s.get("gc_pause_s") or 0 for s in steps[1:]), 4),
             batch_collect_s=round(sum(s.get("batch_collect_s") or 0 for s in steps[1:]), 4),
             step_times_s=[s["step_time_s"] for s in steps],
+            # kernels Triton compiled during each step (plugin/jit_compiles.py; absent: no Triton cache)
+            jit_compiles=[s.get("jit_compiles") for s in steps],
         )
+        quiet = [s for s in steps[1:] if s.get("jit_compiles") == 0]
+        if quiet and len(quiet) < len(steps) - 1:  # the steady steps in which nothing was compiled
+            row["steady_tokens_per_s_without_compiles"] = round(
+                sum(s["step_tokens"] for s in quiet) / sum(s["step_time_s"] for s in quiet)
+            )
     return row
 
 
@@ -405,7 +412,12 @@ def print_table(table: dict) -> None:
             print(
                 f"host {label}: step times {row['step_times_s']} s (the first is warm-up); over the steady steps "
                 f"garbage collections {row.get('gc_pause_s')} s ({row.get('gc_frozen_objects')} objects frozen), "
-                f"batch fetch + cut {row.get('batch_collect_s')} s"
+                f"batch fetch + cut {row.get('batch_collect_s')} s; Triton compiles per step {row.get('jit_compiles')}"
+                + (
+                    f" (steady steps without a compile: {row['steady_tokens_per_s_without_compiles']:,} tok/s)"
+                    if row.get("steady_tokens_per_s_without_compiles")
+                    else ""
+                )
             )
 
 

@@ -27,7 +27,8 @@ def test_sk2decompile_template_is_registered_and_ends_with_one_eos(demo_assets):
 
 def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
     recipe = cpu_recipe("max_steps=30", extra=("--logging-steps", "2", "--pin", "micro_batch_size=4"))
-    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run")
+    (tmp_path / "triton").mkdir()
+    result = run_lfa("train", recipe, "--run-dir", tmp_path / "run", env={"TRITON_CACHE_DIR": str(tmp_path / "triton")})
     assert result.returncode == 0, result.stdout + result.stderr
     events = _events(tmp_path / "run")
     begin = next(e for e in events if e["event"] == "train_begin")
@@ -39,6 +40,7 @@ def test_generate_and_train_tiny_model_loss_goes_down(cpu_recipe, tmp_path):
     # and fetching its batch took on the host
     assert begin["gc_frozen_objects"] > 100_000
     assert all(e["gc_pause_s"] >= 0 and e["gc_full_collections"] >= 0 and e["batch_collect_s"] > 0 for e in steps)
+    assert all(e["jit_compiles"] == 0 for e in steps)  # Triton's cache is there; the CPU compiles nothing into it
     output = recipe.parent / "saves" / "pseudo2norm"
     logs = [r for r in _losses(output) if "loss" in r]
     assert logs[-1]["current_steps"] == 30 and logs[-1]["loss"] < logs[0]["loss"] * 0.8

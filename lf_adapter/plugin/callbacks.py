@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 
 from . import contract
 from .gc_pauses import CollectionClock, freeze_if_asked
+from .jit_compiles import CompileCounter
 from .token_budget import MICRO_BATCHES
 
 GC_FROZEN = {"objects": None}  # objects frozen out of garbage collections at train begin (None: not asked)
@@ -114,6 +115,7 @@ class EventsCallback(TrainerCallback):
         self.path, self.start, self.last = path, None, None
         self.write_failed = False
         self.collections = CollectionClock()
+        self.compiles: CompileCounter | None = None
 
     def emit(self, state, **event) -> None:
         if not state.is_world_process_zero:
@@ -152,6 +154,7 @@ class EventsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
         self.collections.install()
+        self.compiles = CompileCounter()
         self.emit(
             state,
             event="train_begin",
@@ -182,6 +185,7 @@ class EventsCallback(TrainerCallback):
             largest_micro_batch_tokens=_STEP_TOKENS.get("largest_micro_batch_tokens", 0),
             batch_collect_s=_STEP_TOKENS.get("batch_collect_s"),
             **self.collections.take(),
+            **(self.compiles.take() if self.compiles is not None else {}),
         )
         self.last = now
 
