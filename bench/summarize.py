@@ -67,6 +67,9 @@ def figures_of(rows: dict) -> dict:
     for figure, label in (("h200_1.3b_mfu", H200_13B), ("h200_6.7b_mfu", H200_67B)):
         if rows.get(label, {}).get("mfu"):
             out[figure] = {"value": rows[label]["mfu"], "plan": rows[label].get("plan")}
+            compiles = rows[label].get("jit_compiles")
+            if compiles:  # kernels Triton compiled during the measured steps (0: a warm cache; seed_scenario.py)
+                out[figure]["jit_compiles_in_measured_steps"] = sum(c or 0 for c in compiles[1:])
     defaults = [r for label, r in rows.items() if label.split("#")[0] in DEFAULT_ROWS and r.get("plan")]
     if defaults:
         out["default_plans_exact"] = {"value": all("packing" not in str(r["plan"]) for r in defaults)}
