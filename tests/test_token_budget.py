@@ -25,9 +25,20 @@ def test_groups_cover_every_row_once_within_the_budget(padding_free):
     assert len(group_rows(lengths, budget, True)) <= len(group_rows(lengths, budget, False))
 
 
+def test_a_small_last_micro_batch_is_evened_out_with_the_others():
+    lengths = [1000] * 9 + [300]  # first-fit at 3,000 tokens: three full micro-batches and 300 tokens alone
+    groups = group_rows(lengths, 3000, padding_free=True)
+    tokens = sorted(sum(lengths[i] for i in g) for g in groups)
+    assert len(groups) == 4 and tokens == [2000, 2000, 2300, 3000]
+    assert sorted(i for g in groups for i in g) == list(range(10))
+    # a last micro-batch of a quarter of the budget or more keeps first-fit's full ones (the priced largest)
+    full = group_rows([1000] * 9 + [800], 3000, padding_free=True)
+    assert sorted(sum(([1000] * 9 + [800])[i] for i in g) for g in full) == [800, 3000, 3000, 3000]
+
+
 @pytest.mark.skipif(not supported(), reason="padding-free needs transformers >= 4.53")
-@pytest.mark.parametrize("padding_free", [True, False])
-def test_a_step_cut_by_tokens_has_the_padded_steps_loss_and_gradients(padding_free):
+@pytest.mark.parametrize("padding_free,budget", [(True, 30), (True, 24), (False, 30)])
+def test_a_step_cut_by_tokens_has_the_padded_steps_loss_and_gradients(padding_free, budget):
     from lf_adapter.plugin import padding_free as pf
 
     lengths = [17, 5, 11, 9, 23, 6]
@@ -41,12 +52,14 @@ def test_a_step_cut_by_tokens_has_the_padded_steps_loss_and_gradients(padding_fr
     loss_padded = out.loss.detach()
     grads_padded = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
-    step = split_step({k: v.clone() for k, v in padded.items()}, budget=30, padding_free=padding_free, drop_mask=True)
+    step = split_step({k: v.clone() for k, v in padded.items()}, budget, padding_free=padding_free, drop_mask=True)
     micro_batches = step[MICRO_BATCHES]
     assert len(micro_batches) >= 3 and int(step["lfa_nonpad_tokens"]) == sum(lengths)
     if padding_free:
         pf.use_on(model)
-        assert all(m["input_ids"].shape[0] == 1 and m["input_ids"].shape[1] <= 30 for m in micro_batches)
+        assert all(m["input_ids"].shape[0] == 1 and m["input_ids"].shape[1] <= budget for m in micro_batches)
+        # at 24 tokens first-fit leaves 5 alone; evened out, the smallest holds 15
+        assert min(m["input_ids"].shape[1] for m in micro_batches) == (14 if budget == 30 else 15)
     else:
         assert all(m["attention_mask"] is None and m["input_ids"].numel() <= 30 for m in micro_batches)
     model.zero_grad()

@@ -4,20 +4,25 @@ them into as many micro-batches as their tokens need, each at most N tokens.
 The plugin hands the trainer one batch per optimizer step (per process: micro_batch_size x grad_accum rows, the
 recipe's own numbers) with accumulation 1. Where the trainer collects it (get_batch_samples, training only; it has
 counted the step's tokens on the padded rows, as for accumulation) the step's rows are grouped longest first:
-padding-free, first-fit into micro-batches of at most N real tokens; padded, consecutive rows while rows x the
-longest row fit in N. training_step runs them one after another (gradients exchanged across processes after the
-last only), each loss normalized by the whole step's token count: the step's gradient is the padded step's sum over
-the same tokens (tests/test_token_budget.py).
+padding-free, first-fit into micro-batches of at most N real tokens (evened out where the last would be small);
+padded, consecutive rows while rows x the longest row fit in N. training_step runs them one after another (gradients
+exchanged across processes after the last only), each loss normalized by the whole step's token count: the step's
+gradient is the padded step's sum over the same tokens (tests/test_token_budget.py).
 """
 
 from __future__ import annotations
 
 MICRO_BATCHES = "lfa_micro_batches"  # the key of a step batch's list of micro-batches
+# a last micro-batch below this share of the budget is bound by the CPU launching its layers, not by the GPU (the
+# 1.3B's step of 3 x 32,768 + 735 tokens ran 3.8% (H100, whole card) and 8.5% (capped, recompute) below its
+# neighbours' rate: bench/README.md, session 35); steps that first-fit fills keep it: the largest stays the budget
+SMALL_LAST_SHARE = 0.25
 
 
 def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list[int]]:
     """Pure: the row indices of each micro-batch, longest rows first. A row longer than the budget gets a
-    micro-batch of its own."""
+    micro-batch of its own. Padding-free: first-fit; where that leaves a small last micro-batch, as many micro-batches
+    with their tokens evened out."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     if padding_free:  # first-fit decreasing on real tokens
@@ -30,12 +35,29 @@ def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list
             else:
                 groups[slot].append(i)
                 room[slot] -= lengths[i]
+        tokens = [sum(lengths[i] for i in group) for group in groups]
+        if len(groups) > 1 and min(tokens) < budget * SMALL_LAST_SHARE:
+            return even_out(order, lengths, budget, len(groups)) or groups
         return groups
     for i in order:  # padded: a micro-batch costs rows x its longest (first) row
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
             groups[-1].append(i)
         else:
             groups.append([i])
+    return groups
+
+
+def even_out(order: list[int], lengths: list[int], budget: int, count: int) -> list[list[int]] | None:
+    """Pure: the rows (longest first) in `count` micro-batches of similar token counts, each row to the one with
+    the fewest tokens so far; None where one would exceed the budget."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    tokens = [0] * count
+    for i in order:
+        slot = min(range(count), key=lambda g: (tokens[g], g))
+        if tokens[slot] + lengths[i] > budget:
+            return None
+        groups[slot].append(i)
+        tokens[slot] += lengths[i]
     return groups
 
 
