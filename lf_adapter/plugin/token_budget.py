@@ -14,7 +14,7 @@ from __future__ import annotations
 
 MICRO_BATCHES = "lfa_micro_batches"  # the key of a step batch's list of micro-batches
 # a last micro-batch below this share of the budget is bound by the CPU launching its layers, not by the GPU (the
-# 1.3B's step of 3 x 32,768 + 735 tokens ran 3.8% (H100, whole card) and 8.5% (capped, recompute) below its
+# 1.3B's 99,039-token step cut at 32,768 ran 3.8% (H100, whole card) and 8.5% (capped, recompute) below its
 # neighbours' rate: bench/README.md, session 35); steps that first-fit fills keep it: the largest stays the budget
 SMALL_LAST_SHARE = 0.25
 
