@@ -39,24 +39,22 @@ def carried(row: dict) -> dict:
     return {ROW_KEY: row[ROW_KEY]} if ROW_KEY in row else {}
 
 
-def _knobs() -> dict[str, str]:
-    """Each choice's environment variable (contract's knobs)."""
-    return {
-        "loss_chunk_min_rows": contract.LOSS_CHUNK_ROWS,
-        "fused_gate_up": contract.FUSED_GATE_UP,
-        "attention_row_view": contract.ATTENTION_ROW_VIEW,
-    }
+# each choice's environment variable (contract's knobs)
+KNOB = {
+    "loss_chunk_min_rows": contract.LOSS_CHUNK_ROWS,
+    "fused_gate_up": contract.FUSED_GATE_UP,
+    "attention_row_view": contract.ATTENTION_ROW_VIEW,
+}
 
 
 def from_env(env) -> KernelChoices:
     """The choices a process with this environment runs."""
     from .loss_chunks import min_rows_from_env
 
-    knob = _knobs()
     return KernelChoices(
-        loss_chunk_min_rows=min_rows_from_env(env.get(knob["loss_chunk_min_rows"])),
-        fused_gate_up=env.get(knob["fused_gate_up"]) != "0",
-        attention_row_view=env.get(knob["attention_row_view"]) != "0",
+        loss_chunk_min_rows=min_rows_from_env(env.get(KNOB["loss_chunk_min_rows"])),
+        fused_gate_up=env.get(KNOB["fused_gate_up"]) != "0",
+        attention_row_view=env.get(KNOB["attention_row_view"]) != "0",
     )
 
 
@@ -73,9 +71,9 @@ def compile_backend(env) -> str | None:
 def unpriced(env) -> list[str]:
     """The settings in env under which a run's memory is not what its plan was priced for: kernel choices other than
     the priced ones, and torch.compile of the layers (a bench experiment, never priced)."""
-    ran, planned, knob = from_env(env), priced(), _knobs()
+    ran, planned = from_env(env), priced()
     found = [
-        f"{knob[f.name]}={env.get(knob[f.name])}"
+        f"{KNOB[f.name]}={env.get(KNOB[f.name])}"
         for f in fields(KernelChoices)
         if getattr(ran, f.name) != getattr(planned, f.name)
     ]

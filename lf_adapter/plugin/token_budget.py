@@ -35,8 +35,7 @@ def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list
             else:
                 groups[slot].append(i)
                 room[slot] -= lengths[i]
-        tokens = [sum(lengths[i] for i in group) for group in groups]
-        if len(groups) > 1 and min(tokens) < budget * SMALL_LAST_SHARE:
+        if len(groups) > 1 and budget - max(room) < budget * SMALL_LAST_SHARE:  # the emptiest one's tokens
             return even_out(order, lengths, budget, len(groups)) or groups
         return groups
     for i in order:  # padded: a micro-batch costs rows x its longest (first) row
