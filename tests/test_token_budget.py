@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from test_padding_free import _padded_batch, _tiny_model  # noqa: E402
 
 from lf_adapter.plugin.padding_free import supported  # noqa: E402
-from lf_adapter.plugin.token_budget import MICRO_BATCHES, group_rows, split_step  # noqa: E402
+from lf_adapter.plugin.token_budget import MICRO_BATCHES, group_rows, padded_width, split_step  # noqa: E402
 
 
 @pytest.mark.parametrize("padding_free", [True, False])
@@ -17,12 +17,32 @@ def test_groups_cover_every_row_once_within_the_budget(padding_free):
     groups = group_rows(lengths, budget, padding_free)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for group in groups:
-        cost = sum(lengths[i] for i in group) if padding_free else len(group) * max(lengths[i] for i in group)
+        longest = max(lengths[i] for i in group)
+        cost = sum(lengths[i] for i in group) if padding_free else len(group) * padded_width(longest, 40)
         assert cost <= budget or len(group) == 1  # a row longer than the budget goes alone
     assert [8] in groups  # the 40-token row
     # fewer micro-batches than rows, and first-fit packs at least as tightly as the padded grouping
     assert len(groups) < len(lengths)
     assert len(group_rows(lengths, budget, True)) <= len(group_rows(lengths, budget, False))
+
+
+def test_padded_micro_batches_keep_widths_of_a_multiple_of_8_within_the_budget():
+    assert [padded_width(n, 48) for n in (1, 8, 9, 17, 41, 48)] == [8, 8, 16, 24, 48, 48]
+    assert padded_width(45, 45) == 45  # never wider than the step batch
+    # 24 tokens: rows of 9 and 8 cost 2 x 16 at their padded width, over the budget, so the 9 goes alone
+    assert group_rows([9, 8, 8], 24, padding_free=False, full_width=16) == [[0], [1, 2]]
+    assert group_rows([9, 8, 8], 24, padding_free=False, full_width=9) == [[0, 1], [2]]  # 9 wide at most
+
+
+def test_the_unaligned_padded_widths_stay_selectable_for_comparison(monkeypatch):
+    from lf_adapter.plugin import contract
+
+    batch = _padded_batch([17, 9, 3])  # 17 wide: at 32 tokens 17 and 9 go apart, then 9 and 3 fill 16 aligned
+    aligned = split_step({k: v.clone() for k, v in batch.items()}, 32, padding_free=False, drop_mask=True)
+    monkeypatch.setenv(contract.PADDED_WIDTH_ALIGNED, "0")
+    before = split_step({k: v.clone() for k, v in batch.items()}, 32, padding_free=False, drop_mask=True)
+    assert [tuple(m["input_ids"].shape) for m in aligned[MICRO_BATCHES]] == [(1, 17), (2, 16)]
+    assert [tuple(m["input_ids"].shape) for m in before[MICRO_BATCHES]] == [(1, 17), (2, 9)]
 
 
 def test_a_small_last_micro_batch_is_evened_out_with_the_others():
@@ -62,6 +82,10 @@ def test_a_step_cut_by_tokens_has_the_padded_steps_loss_and_gradients(padding_fr
         assert min(m["input_ids"].shape[1] for m in micro_batches) == (14 if budget == 30 else 15)
     else:
         assert all(m["attention_mask"] is None and m["input_ids"].numel() <= 30 for m in micro_batches)
+        # each as wide as its longest row rounded up to 8 (at most the step's 23): some wider than their longest
+        longest = [int((m["input_ids"] != 0).sum(dim=1).max()) for m in micro_batches]
+        widths = [m["input_ids"].shape[1] for m in micro_batches]
+        assert widths == [padded_width(n, 23) for n in longest] and widths != longest
     model.zero_grad()
     total = 0.0
     for micro in micro_batches:

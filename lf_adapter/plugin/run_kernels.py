@@ -15,11 +15,12 @@ class KernelChoices:
     loss_chunk_min_rows: int = 2048  # liger's fused loss in chunks of at least this many rows (0: liger's own)
     fused_gate_up: bool = True  # liger's Phi-3 MLP through its fused gate-up SwiGLU (plugin/fused_mlp.py)
     attention_row_view: bool = True  # lfa's varlen attention squeezes its one row: its gradients stay views
+    padded_width_aligned: bool = True  # padded token-budget micro-batches as wide as a multiple of 8 (token_budget)
 
 
 # what runs used before each choice existed: liger's own chunks and its chunked Phi-3 MLP (before session 28), the
-# attention's row taken by indexing (before session 30)
-BEFORE = KernelChoices(loss_chunk_min_rows=0, fused_gate_up=False, attention_row_view=False)
+# attention's row taken by indexing (before session 30), padded micro-batches at their longest row (before session 36)
+BEFORE = KernelChoices(loss_chunk_min_rows=0, fused_gate_up=False, attention_row_view=False, padded_width_aligned=False)
 ROW_KEY = "kernels"
 _priced = [KernelChoices()]
 
@@ -44,6 +45,7 @@ KNOB = {
     "loss_chunk_min_rows": contract.LOSS_CHUNK_ROWS,
     "fused_gate_up": contract.FUSED_GATE_UP,
     "attention_row_view": contract.ATTENTION_ROW_VIEW,
+    "padded_width_aligned": contract.PADDED_WIDTH_ALIGNED,
 }
 
 
@@ -55,6 +57,7 @@ def from_env(env) -> KernelChoices:
         loss_chunk_min_rows=min_rows_from_env(env.get(KNOB["loss_chunk_min_rows"])),
         fused_gate_up=env.get(KNOB["fused_gate_up"]) != "0",
         attention_row_view=env.get(KNOB["attention_row_view"]) != "0",
+        padded_width_aligned=env.get(KNOB["padded_width_aligned"]) != "0",
     )
 
 

@@ -5,24 +5,40 @@ The plugin hands the trainer one batch per optimizer step (per process: micro_ba
 recipe's own numbers) with accumulation 1. Where the trainer collects it (get_batch_samples, training only; it has
 counted the step's tokens on the padded rows, as for accumulation) the step's rows are grouped longest first:
 padding-free, first-fit into micro-batches of at most N real tokens (evened out where the last would be small);
-padded, consecutive rows while rows x the longest row fit in N. training_step runs them one after another (gradients
+padded, consecutive rows while rows x the longest row (rounded up to a multiple of 8, as LLaMA-Factory pads) fit in
+N. training_step runs them one after another (gradients
 exchanged across processes after the last only), each loss normalized by the whole step's token count: the step's
 gradient is the padded step's sum over the same tokens (tests/test_token_budget.py).
 """
 
 from __future__ import annotations
 
+import os
+
+from . import run_kernels
+
 MICRO_BATCHES = "lfa_micro_batches"  # the key of a step batch's list of micro-batches
 # a last micro-batch below this share of the budget is bound by the CPU launching its layers, not by the GPU (the
 # 1.3B's 99,039-token step cut at 32,768 ran 3.8% (H100, whole card) and 8.5% (capped, recompute) below its
 # neighbours' rate: bench/README.md, session 35); steps that first-fit fills keep it: the largest stays the budget
 SMALL_LAST_SHARE = 0.25
+# padded micro-batches keep LLaMA-Factory's pad_to_multiple_of=8: eager attention's score GEMMs have the row width as
+# their leading dimension, and at an odd width cuBLAS runs align1 kernels (Gemma-2's H100 step: 3-6%, session 36)
+PAD_MULTIPLE = 8
 
 
-def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list[int]]:
+def padded_width(longest: int, full_width: int, multiple: int = PAD_MULTIPLE) -> int:
+    """Pure: a padded micro-batch's width: its longest row rounded up to `multiple`, never past the step batch's."""
+    return min(full_width, -(-longest // multiple) * multiple)
+
+
+def group_rows(
+    lengths: list[int], budget: int, padding_free: bool, full_width: int | None = None, multiple: int = PAD_MULTIPLE
+) -> list[list[int]]:
     """Pure: the row indices of each micro-batch, longest rows first. A row longer than the budget gets a
     micro-batch of its own. Padding-free: first-fit; where that leaves a small last micro-batch, as many micro-batches
-    with their tokens evened out."""
+    with their tokens evened out. Padded: consecutive rows, each micro-batch costing rows x padded_width (full_width:
+    the step batch's width, the longest row's where not given)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     if padding_free:  # first-fit decreasing on real tokens
@@ -38,8 +54,9 @@ def group_rows(lengths: list[int], budget: int, padding_free: bool) -> list[list
         if len(groups) > 1 and budget - max(room) < budget * SMALL_LAST_SHARE:  # the emptiest one's tokens
             return even_out(order, lengths, budget, len(groups)) or groups
         return groups
-    for i in order:  # padded: a micro-batch costs rows x its longest (first) row
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+    full_width = max(lengths) if full_width is None else full_width
+    for i in order:  # padded: a micro-batch costs rows x its longest (first) row's padded width
+        if groups and (len(groups[-1]) + 1) * padded_width(lengths[groups[-1][0]], full_width, multiple) <= budget:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -62,7 +79,8 @@ def even_out(order: list[int], lengths: list[int], budget: int, count: int) -> l
 
 def split_step(batch, budget: int, padding_free: bool, drop_mask: bool) -> dict | None:
     """One step's right-padded text batch [rows, L] -> {MICRO_BATCHES: [...], "lfa_nonpad_tokens": n}: each
-    micro-batch trimmed to its longest row, then flattened (padding_free) or without its padding mask (drop_mask).
+    micro-batch trimmed to its longest row (padded: to padded_width), then flattened (padding_free) or without its
+    padding mask (drop_mask).
     None when it is not a right-padded text batch (4D masks, packed rows, other keys)."""
     import torch
 
@@ -73,9 +91,12 @@ def split_step(batch, budget: int, padding_free: bool, drop_mask: bool) -> dict 
         return None
     lengths = mask.sum(dim=1).tolist()  # one read per optimizer step
     micro_batches = []
-    for rows in group_rows(lengths, budget, padding_free):
+    full_width = mask.shape[1]
+    multiple = PAD_MULTIPLE if run_kernels.from_env(os.environ).padded_width_aligned else 1
+    for rows in group_rows(lengths, budget, padding_free, full_width, multiple):
         index = torch.tensor(rows, device=mask.device)
-        width = max(lengths[i] for i in rows)
+        longest = max(lengths[i] for i in rows)
+        width = longest if padding_free else padded_width(longest, full_width, multiple)
         micro = {key: batch[key][index, :width] for key in ("input_ids", "attention_mask", "labels")}
         if padding_free and flatten_batch(micro, [lengths[i] for i in rows]):
             micro.pop("lfa_nonpad_tokens")
