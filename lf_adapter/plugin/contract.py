@@ -24,9 +24,7 @@ LOSS_CHUNK_ROWS = "LFA_LOSS_CHUNK_ROWS"  # N: liger's fused loss in chunks of at
 # bench experiment, issue 33: never planned, not priced)
 COMPILE_LAYERS = "LFA_COMPILE_LAYERS"
 ATTENTION_ROW_VIEW = "LFA_ATTENTION_ROW_VIEW"  # "0": varlen attention indexes its row (before session 30), to compare
-PADDED_WIDTH_ALIGNED = (
-    "LFA_PADDED_WIDTH_ALIGNED"  # "0": padded micro-batches at their longest row's odd width (before 36)
-)
+PADDED_WIDTH_ALIGNED = "LFA_PADDED_WIDTH_ALIGNED"  # "0": padded micro-batches as wide as their longest row, to compare
 # tests and benchmarks: faults a CPU cannot have, emulated cards and models
 EMULATE_VRAM_GIB = "LFA_EMULATE_VRAM_GIB"  # cap the CUDA caching allocator (real CUDA OOMs on a bigger card)
 EMULATE_MODEL = "LFA_EMULATE_MODEL"  # plan OOM recovery for this model's shape instead of the trained one

@@ -6,9 +6,9 @@ recipe's own numbers) with accumulation 1. Where the trainer collects it (get_ba
 counted the step's tokens on the padded rows, as for accumulation) the step's rows are grouped longest first:
 padding-free, first-fit into micro-batches of at most N real tokens (evened out where the last would be small);
 padded, consecutive rows while rows x the longest row (rounded up to a multiple of 8, as LLaMA-Factory pads) fit in
-N. training_step runs them one after another (gradients
-exchanged across processes after the last only), each loss normalized by the whole step's token count: the step's
-gradient is the padded step's sum over the same tokens (tests/test_token_budget.py).
+N. training_step runs them one after another (gradients exchanged across processes after the last only), each loss
+normalized by the whole step's token count: the step's gradient is the padded step's sum over the same tokens
+(tests/test_token_budget.py).
 """
 
 from __future__ import annotations
