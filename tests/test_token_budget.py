@@ -34,6 +34,19 @@ def test_padded_micro_batches_keep_widths_of_a_multiple_of_8_within_the_budget()
     assert group_rows([9, 8, 8], 24, padding_free=False, full_width=9) == [[0, 1], [2]]  # 9 wide at most
 
 
+def test_a_small_padded_micro_batch_is_evened_out_as_consecutive_rows():
+    lengths = [8] * 11  # at 40 tokens: 5 + 5 + 1 rows, the last 8 tokens (under a quarter of the budget)
+    groups = group_rows(lengths, 40, padding_free=False)
+    assert [len(g) for g in groups] == [4, 4, 3]  # as many micro-batches, the largest 32 tokens
+    assert [i for g in groups for i in g] == list(range(11))  # still consecutive, longest first
+    # the smallest holding a quarter of the budget or more keeps the grouping at the budget
+    assert [len(g) for g in group_rows([8] * 12, 40, padding_free=False)] == [5, 5, 2]
+    # widths differ: 4 x 16, 4 x 16 and a 5-token row alone (8 wide) become three micro-batches of 48 tokens or less
+    lengths = [16] * 8 + [5]
+    groups = group_rows(lengths, 64, padding_free=False)
+    assert [[lengths[i] for i in g] for g in groups] == [[16] * 3, [16] * 3, [16, 16, 5]]
+
+
 def test_the_unaligned_padded_widths_stay_selectable_for_comparison(monkeypatch):
     from lf_adapter.plugin import contract
 

@@ -4,11 +4,11 @@ them into as many micro-batches as their tokens need, each at most N tokens.
 The plugin hands the trainer one batch per optimizer step (per process: micro_batch_size x grad_accum rows, the
 recipe's own numbers) with accumulation 1. Where the trainer collects it (get_batch_samples, training only; it has
 counted the step's tokens on the padded rows, as for accumulation) the step's rows are grouped longest first:
-padding-free, first-fit into micro-batches of at most N real tokens (evened out where the last would be small);
-padded, consecutive rows while rows x the longest row (rounded up to a multiple of 8, as LLaMA-Factory pads) fit in
-N. training_step runs them one after another (gradients exchanged across processes after the last only), each loss
-normalized by the whole step's token count: the step's gradient is the padded step's sum over the same tokens
-(tests/test_token_budget.py).
+padding-free, first-fit into micro-batches of at most N real tokens; padded, consecutive rows while rows x the
+longest row (rounded up to a multiple of 8, as LLaMA-Factory pads) fit in N; either evened out where the smallest
+micro-batch would be small. training_step runs them one after another (gradients exchanged across processes after
+the last only), each loss normalized by the whole step's token count: the step's gradient is the padded step's sum
+over the same tokens (tests/test_token_budget.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def group_rows(
     """Pure: the row indices of each micro-batch, longest rows first. A row longer than the budget gets a
     micro-batch of its own. Padding-free: first-fit; where that leaves a small last micro-batch, as many micro-batches
     with their tokens evened out. Padded: consecutive rows, each micro-batch costing rows x padded_width (full_width:
-    the step batch's width, the longest row's where not given)."""
+    the step batch's width, the longest row's where not given), evened out the same way."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     if padding_free:  # first-fit decreasing on real tokens
@@ -55,12 +55,33 @@ def group_rows(
             return even_out(order, lengths, budget, len(groups)) or groups
         return groups
     full_width = max(lengths) if full_width is None else full_width
-    for i in order:  # padded: a micro-batch costs rows x its longest (first) row's padded width
-        if groups and (len(groups[-1]) + 1) * padded_width(lengths[groups[-1][0]], full_width, multiple) <= budget:
+    width = [padded_width(n, full_width, multiple) for n in lengths]
+    groups = consecutive(order, width, budget)
+    if len(groups) > 1 and min(len(g) * width[g[0]] for g in groups) < budget * SMALL_LAST_SHARE:
+        return even_out_consecutive(order, width, budget, len(groups))
+    return groups
+
+
+def consecutive(order: list[int], width: list[int], cap: int) -> list[list[int]]:
+    """Pure: the rows in order, consecutive ones together while rows x the first (widest) one's padded width fit in
+    cap; a row wider than cap alone."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * width[groups[-1][0]] <= cap:
             groups[-1].append(i)
         else:
             groups.append([i])
     return groups
+
+
+def even_out_consecutive(order: list[int], width: list[int], budget: int, count: int) -> list[list[int]]:
+    """Pure: the consecutive grouping at the smallest cap that needs no more than `count` micro-batches: as many as
+    at the budget (fewer caps need more), their padded sizes evened out."""
+    low, high = 1, budget
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(consecutive(order, width, mid)) <= count else (mid + 1, high)
+    return consecutive(order, width, low)
 
 
 def even_out(order: list[int], lengths: list[int], budget: int, count: int) -> list[list[int]] | None:
