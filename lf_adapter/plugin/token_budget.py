@@ -23,7 +23,8 @@ MICRO_BATCHES = "lfa_micro_batches"  # the key of a step batch's list of micro-b
 # neighbours' rate: bench/README.md, session 35); steps that first-fit fills keep it: the largest stays the budget
 SMALL_LAST_SHARE = 0.25
 # padded micro-batches keep LLaMA-Factory's pad_to_multiple_of=8: eager attention's score GEMMs have the row width as
-# their leading dimension, and at an odd width cuBLAS runs align1 kernels (Gemma-2's H100 step: 3-6%, session 36)
+# their leading dimension, and at an odd width cuBLAS ran align1 kernels (3.0-5.6% of Gemma-2's H100 steps by their
+# top twelve kernels, sessions 28-29: bench/README.md, session 36)
 PAD_MULTIPLE = 8
 
 
@@ -76,7 +77,7 @@ def consecutive(order: list[int], width: list[int], cap: int) -> list[list[int]]
 
 def even_out_consecutive(order: list[int], width: list[int], budget: int, count: int) -> list[list[int]]:
     """Pure: the consecutive grouping at the smallest cap that needs no more than `count` micro-batches: as many as
-    at the budget (fewer caps need more), their padded sizes evened out."""
+    at the budget (a smaller cap never needs fewer), their padded sizes evened out."""
     low, high = 1, budget
     while low < high:
         mid = (low + high) // 2
