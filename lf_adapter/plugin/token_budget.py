@@ -41,8 +41,8 @@ def group_rows(
     with their tokens evened out. Padded: consecutive rows, each micro-batch costing rows x padded_width (full_width:
     the step batch's width, the longest row's where not given), evened out the same way."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
     if padding_free:  # first-fit decreasing on real tokens
+        groups: list[list[int]] = []
         room: list[int] = []
         for i in order:
             slot = next((g for g, free in enumerate(room) if lengths[i] <= free), None)
