@@ -42,10 +42,13 @@ if [ "$cmd" = offload ]; then  # offload.py builds the model shapes its runs nee
   (cd $OUT && tar czf offload_logs.tgz *.log && rm -f *.log)
 fi
 if [ "$cmd" = zoo ]; then  # model_zoo.py builds each zoo model, runs it, deletes it
-  # repeatable in one call (zoo ...; zoo ...): rows append to model_zoo.json, each invocation's logs get their own archive
+  # repeatable in one call (zoo ...; zoo ...): rows append to model_zoo.json; each invocation's logs go to
+  # zoo_logs/N/ and one archive of them all is rewritten (the device returns at most 8 files)
   timeout ${BENCH_TIMEOUT:-540} python3 bench/model_zoo.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[A-Za-z].* (h200|h100|capped)|^model |Traceback|Error" | tee -a $OUT/zoo.txt
-  n=1; while [ -e $OUT/zoo_logs_$n.tgz ]; do n=$((n + 1)); done
-  (cd $OUT && tar czf zoo_logs_$n.tgz *.log $(ls *.jsonl 2>/dev/null) && rm -f *.log *.jsonl)
+  [ -e $OUT/zoo_logs.tgz ] || rm -rf $W/zoo_logs  # the call's first invocation: no logs of an earlier call
+  n=1; while [ -e $W/zoo_logs/$n ]; do n=$((n + 1)); done
+  mkdir -p $W/zoo_logs/$n && (cd $OUT && mv -f *.log $(ls *.jsonl 2>/dev/null) $W/zoo_logs/$n/ 2>/dev/null)
+  tar czf $OUT/zoo_logs.tgz -C $W zoo_logs
 fi
 if [ "$cmd" = probe ]; then  # memory_probe.py: pinned DeepSpeed plans at exact token counts
   timeout ${BENCH_TIMEOUT:-560} python3 bench/memory_probe.py $W $OUT "$@" 2>&1 | grep -E "^BENCH|^[a-z0-9-]+ +fp16|^label |Traceback|Error" | tee $OUT/probe.txt

@@ -254,7 +254,14 @@ def run_one(
             kernel_profile=measured.get("kernel_profile"),
             **{
                 k: measured.get(k)
-                for k in ("gc_frozen_objects", "gc_pause_s", "batch_collect_s", "step_times_s", "jit_compiles")
+                for k in (
+                    "gc_frozen_objects",
+                    "gc_pause_s",
+                    "batch_collect_s",
+                    "step_times_s",
+                    "jit_compiles",
+                    "steady_tokens_per_s_without_compiles",
+                )
             },
             memory_items_gib=first.get("predicted", {}).get("memory_gib"),
         )
@@ -334,6 +341,32 @@ def reprice(rows: list[dict]) -> None:
             r["repriced_speed_error"] = round(r["steady_tokens_per_s"] / r["repriced_tokens_per_s"] - 1.0, 4)
 
 
+# issue 31's targets on the rows not fitted on: peak reserved within 5% below / 3% above, tokens/s within 10%
+MEMORY_BOUNDS = (-0.05, 0.03)
+SPEED_BOUND = 0.10
+
+
+def validation_summary(rows: list[dict]) -> str:
+    """How many repriced rows that no coefficient was fitted on fall within the targets, and which do not."""
+    held_out = [r for r in rows if not r.get("used_for_fit")]
+    memory = [r for r in held_out if r.get("repriced_error") is not None]
+    speed = [r for r in held_out if r.get("repriced_speed_error") is not None]
+    memory_out = [r for r in memory if not MEMORY_BOUNDS[0] <= r["repriced_error"] <= MEMORY_BOUNDS[1]]
+    speed_out = [r for r in speed if abs(r["repriced_speed_error"]) > SPEED_BOUND]
+
+    def listed(out: list[dict], key: str) -> str:
+        return "; ".join(
+            f"{r['model'].split('/')[-1]} {r['hardware']} ({r.get('run', '-')}) {100 * r[key]:+.1f}%" for r in out
+        )
+
+    return (
+        f"rows not fitted on, repriced: memory within -5%/+3%: {len(memory) - len(memory_out)} of {len(memory)}"
+        f" (outside: {listed(memory_out, 'repriced_error') or 'none'})\n"
+        f"speed within 10%: {len(speed) - len(speed_out)} of {len(speed)}"
+        f" (outside: {listed(speed_out, 'repriced_speed_error') or 'none'})"
+    )
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'model':34s} {'hardware':16s} {'plan':52s} {'fit1':>5s} {'pred GiB':>8s} {'peak GiB':>8s} {'err':>7s} "
@@ -352,6 +385,8 @@ def print_table(rows: list[dict]) -> None:
         )
         if r.get("note"):
             print(f"    note: {r['note'][:300]}")
+        if r.get("steady_tokens_per_s_without_compiles"):
+            print(f"    steady steps without a Triton compile: {r['steady_tokens_per_s_without_compiles']:,} tok/s")
 
 
 def main() -> None:
@@ -375,6 +410,8 @@ def main() -> None:
         print(markdown_table(rows) if args.markdown else "", end="\n" if args.markdown else "")
         if not args.markdown:
             print_table(rows)
+        if args.reprice:
+            print(validation_summary(rows))
         return
     wanted = args.only.split(",") if args.only else [n.split("/")[-1] for n in ZOO]
 
