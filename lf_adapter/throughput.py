@@ -320,11 +320,11 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             "(6.7B width), the 350M width +0.2%"
         )
         return "; ".join([f"throughput model fitted on H200 runs (bench/README.md): {measured}", *caveats])
-    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-30
+    if "H100 80GB HBM3" in gpu.name:  # the device's other card (SXM): the zoo's rows, sessions 21-37
         checked = (
-            "sessions 26-30): master-weights defaults ran from 6.4% above (StarCoder2) to 10.5% below their "
-            "prediction (Llama-3.2-3B; 9.6% on a rerun), Gemma-2 10.1%, Qwen2.5-Coder-3B 5.1%, Phi-3-mini 2.2-5.2% "
-            "below, Qwen3-1.7B 0.1% above: plans of many small micro-batches leave the GPU idle 4-10% of the step"
+            "session 37): the master-weights defaults of six families ran from 5.0% above (StarCoder2) to 10.3% "
+            "below their prediction (Llama-3.2-3B, 9.6-11.0% below at small token budgets since session 27), "
+            "Qwen2.5-Coder-3B 6.0%, Qwen3-1.7B 3.8%, Phi-3-mini 1.5% below, Gemma-2 within 0.4% (warm Triton cache)"
             if plan.master_weights
             else "sessions 21-26): 18 runs of six families and the 1.3B/6.7B widths ran between 8.1% below and 6.8% "
             "above their prediction"
