@@ -315,9 +315,9 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             if applies
         ]
         measured = (
-            "the master-weights defaults measured 2.0% (1.3B) and 1.1% (6.7B) above their prediction, the 1.3B at a "
-            "31.73 GiB cap 1.2-5.4% above; six other families' defaults from 8.6% below (Gemma-2) to 11.3% above "
-            "(StarCoder2)"
+            "the master-weights default plans of 2026-12-06 measured 2.0% (1.3B) and 1.1% (6.7B, its gc16 plan of "
+            "then) above their prediction, the 1.3B at a 31.73 GiB cap 1.2-5.4% above; six other families' defaults "
+            "from 8.6% below (Gemma-2) to 11.3% above (StarCoder2)"
             if plan.master_weights
             else "the default plans of 2026-12-04 within -7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% "
             "(6.7B width), the 350M width +0.2%"
