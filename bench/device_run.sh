@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent H200 (device tool), from the repo root: install the carried wheels (.whl, see bench/README.md),
 # build the assets, run a bench; results land in $OUT.
-# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe|saved|peak [extra args]
+# usage: bash bench/device_run.sh calibrate|seed|offload|zoo|probe|saved|peak|wgrad [extra args]
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,compute_cap,clocks.sm --format=csv,nohe
 cmd=$1; shift
 # offload.py builds the shapes its runs need; the other benches start from the 1.3B
 case "$cmd" in
-  offload|saved|peak) ;;
+  offload|saved|peak|wgrad) ;;
   zoo|probe) [ -f $W/model/tokenizer.json ] || python3 bench/make_assets.py $W none 2>&1 | grep -v Warning ;;
   *) [ -f $W/model/config.json ] || python3 bench/make_assets.py $W 1.3b 2>&1 | grep -v Warning ;;
 esac
@@ -60,6 +60,10 @@ fi
 if [ "$cmd" = peak ]; then  # peak_probe.py: one micro-batch's activations and logits path, by precision path
   timeout ${BENCH_TIMEOUT:-300} python3 bench/peak_probe.py $OUT "$@" 2>&1 | grep -vE "^lfa: padding-free|Warning" | tee -a $OUT/peak.txt
   [ -f $OUT/peak_probe.json ] && mv $OUT/peak_probe.json $OUT/peak_probe_$(date +%s).json
+fi
+if [ "$cmd" = wgrad ]; then  # wgrad_check.py: master weights' fp32 gradient accumulation, hook vs fused GEMM (no training)
+  timeout ${BENCH_TIMEOUT:-120} python3 bench/wgrad_check.py $OUT "$@" 2>&1 | grep -v Warning | tee -a $OUT/wgrad.txt
+  [ -f $OUT/wgrad_check.json ] && mv $OUT/wgrad_check.json $OUT/wgrad_check_$(date +%s).json
 fi
 if [ "$cmd" = seed ]; then
   # repeatable in one call (seed ...; seed ...): each invocation's table and archive get their own number
