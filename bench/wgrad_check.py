@@ -23,8 +23,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lf_adapter.hardware import load_profile  # noqa: E402
 from lf_adapter.model_spec import load_model_spec  # noqa: E402
 from lf_adapter.throughput import MASTER_ACCUMULATE_BYTES_PER_PARAM, streaming_bytes_per_s  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_zoo import HARDWARE  # noqa: E402
+
+WHOLE_CARD_PROFILES = HARDWARE["whole"][0]  # lfa's profile of each card the bench runs on
 
 
 def layer_linears(spec) -> dict[str, tuple[int, int]]:
@@ -99,13 +105,11 @@ def main() -> None:
     for path, fn in (("hook", hook_path), ("fused", fused_path)):
         copies = {name: (master.clone(), g, x) for name, (master, g, x) in cases.items()}
         try:
-            fn(*copies["q"])
+            for case in copies.values():
+                fn(*case)
         except (RuntimeError, NotImplementedError, TypeError) as error:  # out_dtype: CUDA only, torch >= 2.8
             row[path] = {"unsupported": str(error).splitlines()[0][:200]}
             continue
-        copies = {name: (master.clone(), g, x) for name, (master, g, x) in cases.items()}
-        for case in copies.values():
-            fn(*case)
         error = max(
             ((case[0].double() - reference[name]).abs().max() / reference[name].abs().max()).item()
             for name, case in copies.items()
@@ -116,12 +120,12 @@ def main() -> None:
             "ms_per_micro_batch": round(seconds * 1e3 * spec.num_layers, 2),
             "max_relative_error_vs_fp64": float(f"{error:.3g}"),
         }
-    if args.device == "cuda":
-        hbm = {"H100": 3.35, "H200": 4.8}.get(next((k for k in ("H100", "H200") if k in row["gpu"]), ""), 0.0)
-        if hbm:  # what lfa prices for the add alone (the 16-bit GEMM is in the FLOP term)
-            row["priced_add_ms_per_micro_batch"] = round(
-                MASTER_ACCUMULATE_BYTES_PER_PARAM * params * spec.num_layers / streaming_bytes_per_s(hbm) * 1e3, 2
-            )
+    profile = next((p for kind, p in WHOLE_CARD_PROFILES.items() if kind in row.get("gpu", "")), None)
+    if profile:  # what lfa prices for the add alone on this card's profile (the 16-bit GEMM is in the FLOP term)
+        hbm = load_profile(profile).gpu.hbm_tbps
+        row["priced_add_ms_per_micro_batch"] = round(
+            MASTER_ACCUMULATE_BYTES_PER_PARAM * params * spec.num_layers / streaming_bytes_per_s(hbm) * 1e3, 2
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "wgrad_check.json").write_text(json.dumps(row, indent=1))
     print(f"BENCH wgrad {args.model} {tokens} tokens, {spec.num_layers} layers, {args.device}")
