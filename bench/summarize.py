@@ -40,9 +40,9 @@ def run_files(paths: list[Path] | None = None) -> list[Path]:
     return sorted(files, key=session)
 
 
-def repeat_ratios(rows: dict) -> list[float]:
-    """capped / seed_fix of each alternated pair in one run (repeat i pairs seed_fix#i with capped#i)."""
-    ratios = []
+def repeat_pairs(rows: dict) -> list[tuple[dict, dict]]:
+    """(seed_fix, capped) rows of each alternated pair in one run (repeat i pairs seed_fix#i with capped#i)."""
+    pairs = []
     for suffix in [""] + [f"#{i}" for i in range(2, 100)]:
         seed = rows.get("seed_fix" + suffix)
         capped = next((rows[c + suffix] for c in CAPPED if c + suffix in rows), None)
@@ -51,18 +51,22 @@ def repeat_ratios(rows: dict) -> list[float]:
                 break
             continue
         if seed.get("steady_tokens_per_s") and capped.get("steady_tokens_per_s"):
-            ratios.append(capped["steady_tokens_per_s"] / seed["steady_tokens_per_s"])
-    return ratios
+            pairs.append((seed, capped))
+    return pairs
 
 
 def figures_of(rows: dict) -> dict:
     """The figures one run measured (absent when it did not)."""
     out = {}
-    ratios = repeat_ratios(rows)
-    if ratios:
+    pairs = repeat_pairs(rows)
+    if pairs:
+        ratios = [capped["steady_tokens_per_s"] / seed["steady_tokens_per_s"] for seed, capped in pairs]
         out["capped_x_seed_fix"] = {
             "value": round(statistics.median(ratios), 2),
             "repeats": [round(r, 2) for r in ratios],
+            # the seed's fix is bound by the host launching its kernels, so the ratio depends on the host
+            "seed_fix_tokens_per_s": [seed["steady_tokens_per_s"] for seed, _ in pairs],
+            "capped_tokens_per_s": [capped["steady_tokens_per_s"] for _, capped in pairs],
         }
     for figure, label in (("h200_1.3b_mfu", H200_13B), ("h200_6.7b_mfu", H200_67B)):
         if rows.get(label, {}).get("mfu"):
@@ -93,7 +97,11 @@ def main() -> None:
     summary = summarize(files)
     print(f"{'figure':20s} {'value':>7s}  run")
     for figure, entry in summary.items():
-        extra = f" (median of {entry['repeats']})" if "repeats" in entry else ""
+        extra = (
+            f" (median of {entry['repeats']}; the seed's fix ran {entry['seed_fix_tokens_per_s']} tok/s)"
+            if "repeats" in entry
+            else ""
+        )
         print(f"{figure:20s} {entry['value']!s:>7s}  {entry['run']}{extra}")
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS / 'summary.json'}")
