@@ -25,11 +25,11 @@ MEAN_FRACTION = 1475 / 2048
 
 
 def profile_of(label: str, run: str = "") -> str:
-    """The seed's card (emulated by the capped allocator) for the seed fix and the capped plans, else the whole card
-    the run's folder names (h100_session*: seed_scenario.py --whole-profile h100), the H200 by default."""
-    if label.startswith(("seed_fix", "capped", "v100")):
-        return "h200-capped-32g"
-    return "h100" if "h100_session" in run else "h200"
+    """The card a run ran on, by its folder (h100_session*: an H100; seed_scenario.py --whole-profile h100 for the
+    whole-card plans), the H200 by default; capped (the seed's card, emulated by the capped allocator) for the seed
+    fix and the capped plans, which seed_scenario.py plans for h200-capped-32g on either card."""
+    card = "h100" if "h100_session" in run else "h200"
+    return f"{card}-capped-32g" if label.startswith(("seed_fix", "capped", "v100")) else card
 
 
 def spec_of(label: str, row: dict):

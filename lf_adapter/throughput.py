@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .hardware import HardwareProfile
+from .hardware import GPUSpec, HardwareProfile
 from .memory import badam_block_params, coefficients, layer_norms_run_in_fp32, liger_loss_chunk_rows
 from .model_spec import FUSED_GATE_UP, FUSED_QKV, ModelSpec
 from .plan import Plan
@@ -88,6 +88,8 @@ def predict_tokens_per_s(
     # wider layers: larger GEMMs, and the memory-bound elementwise work shrinks relative to the matmuls (the rates
     # above were fitted at hidden 2048); never above the fixed-shape rate
     rate = min(rate * widening ** t["width_rate_exponent"], gpu.peak_tflops_16bit * 1e12 * t["mfu_max"])
+    if plan.precision != "fp32":
+        rate /= sub_cap_time_factor(rate, gpu)
     # the checkpointed layers' forward again at the same rate (their GEMMs, attention and norms; not the lm_head, the
     # loss or the optimizer): by construction, checked on same-budget sweeps (bench/README.md, session 29)
     gpu_s = (flops + recompute_flops) / rate
@@ -100,6 +102,7 @@ def predict_tokens_per_s(
         gpu_s += unfused_loss_walk_s(model, padded_tokens, gpu.hbm_tbps)
     if plan.precision != "fp32":
         gpu_s += fused_projection_copies_s(model, plan, padded_tokens, recomputed, gpu.hbm_tbps)
+        gpu_s += attention_row_copies_s(model, plan, padded_tokens, gpu.hbm_tbps)
     hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
     if plan.master_weights:
         gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / streaming_bytes_per_s(gpu.hbm_tbps)
@@ -130,6 +133,20 @@ def predict_tokens_per_s(
     step_s = micro_batches * (max(cpu_s, gpu_s) + zero3_fetch_s)
     step_s += _once_per_step_s(model, plan, hardware)
     return real_tokens * micro_batches * plan.world_size / step_s
+
+
+def sub_cap_time_factor(rate: float, gpu: GPUSpec) -> float:
+    """The 16-bit rates below the fixed-shape one (mfu_max) lose their difference to memory-bound work: varying
+    shapes, kernels liger would fuse, a narrow layer's elementwise share. That share of the time scales with the
+    card's FLOPs per byte of bandwidth against the reference card's (catalog/memory_model.yaml), within the range
+    measured (a card outside it is priced as the nearest measured one); a rate at the cap is GEMM-bound and keeps its
+    time. The factor the time is multiplied by: 1 on the reference card."""
+    t = coefficients()["throughput"]
+    share = max(0.0, 1.0 - rate / (gpu.peak_tflops_16bit * 1e12 * t["mfu_max"]))
+    reference = t["sub_cap_reference_flops_per_byte"]
+    flops_per_byte = gpu.peak_tflops_16bit / max(gpu.hbm_tbps, 0.5)
+    flops_per_byte = min(max(flops_per_byte, t["sub_cap_lowest_checked_flops_per_byte"]), reference)
+    return (1.0 - share) + share * flops_per_byte / reference
 
 
 def layer_width(model: ModelSpec) -> float:
@@ -189,6 +206,19 @@ def fused_projection_copies_s(model: ModelSpec, plan: Plan, tokens: float, recom
         backward += 8.0 * model.intermediate_size
     per_token = model.num_layers * (forward * (1.0 + recomputed) + backward)
     return tokens * per_token / streaming_bytes_per_s(hbm_tbps)
+
+
+def attention_row_copies_s(model: ModelSpec, plan: Plan, tokens: float, hbm_tbps: float) -> float:
+    """Before session 30 lfa's varlen attention took its one row by indexing (run_kernels.attention_row_view off):
+    the backward wrote q's, k's and v's gradients into zero-filled [1, heads, tokens, dim] tensors, and liger's
+    RoPE and v's reshape copied them back: two strided copies per tensor, per layer and micro-batch, 16-bit reads
+    and writes of 2 bytes per element (by construction; the zero-fills are not priced). Strided copies run below
+    the streaming rate: their rate is measured (catalog/memory_model.yaml). The squeeze keeps the gradients views."""
+    if not plan.padding_free or run_kernels.priced().attention_row_view:
+        return 0.0
+    elements = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim  # q, k and v per token
+    copy_rate = max(hbm_tbps, 0.5) * 1e12 * coefficients()["throughput"]["strided_copy_bandwidth_fraction"]
+    return 2 * 4.0 * elements * tokens * model.num_layers / copy_rate
 
 
 def eager_scores_s(
@@ -289,7 +319,8 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
     gpu = hardware.gpu
     basis = (
         f"throughput model fitted on one H200 (bench/README.md); {gpu.name} scaled by its datasheet "
-        f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s"
+        f"{gpu.peak_tflops_16bit:g} TFLOP/s and {gpu.hbm_tbps:g} TB/s (the memory-bound share by FLOPs per byte, "
+        "checked between the H100 and the H200 only)"
     )
     if plan.offload != Offload.NONE:
         basis += f", offload over a {gpu.host_link_gbs or 'default'} GB/s host link and the H200 host's CPU Adam rate"
@@ -309,15 +340,15 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
             for applies, text in (
                 (plan.offloads_to_nvme, nvme_basis(hardware)),
                 (plan.offload == "all", "ZeRO-3 offload fitted on 1.3B only, 37% pessimistic at the 6.7B width"),
-                (plan.padding_free, "padding-free plans measured 1-9% faster than this"),
+                (plan.padding_free, "padding-free plans measured from 2% slower to 9% faster than this"),
                 (bool(plan.strategy.speed_caveat), plan.strategy.speed_caveat),
             )
             if applies
         ]
         measured = (
-            "the master-weights default plans of 2026-12-06 measured 2.0% (1.3B) and 1.1% (6.7B, its gc16 plan of "
-            "then) above their prediction, the 1.3B at a 31.73 GiB cap 1.2-5.4% above; six other families' defaults "
-            "from 8.6% below (Gemma-2) to 11.3% above (StarCoder2)"
+            "the master-weights default plans of 2026-12-07 measured 2.0% and 8.9% (1.3B, a cold and a warm Triton "
+            "cache) and 2.2% (6.7B) above their prediction, the 1.3B at a 31.73 GiB cap from 1.7% below to 7.5% "
+            "above; six other families' defaults from 10.7% below (Gemma-2) to 7.3% above (StarCoder2)"
             if plan.master_weights
             else "the default plans of 2026-12-04 within -7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% "
             "(6.7B width), the 350M width +0.2%"

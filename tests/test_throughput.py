@@ -10,7 +10,7 @@ from lf_adapter.hardware import load_profile
 from lf_adapter.model_spec import load_model_spec
 from lf_adapter.plan import Plan
 from lf_adapter.plugin import run_kernels
-from lf_adapter.throughput import layer_width, predict_tokens_per_s
+from lf_adapter.throughput import layer_width, predict_tokens_per_s, sub_cap_time_factor
 
 
 def test_the_layer_width_is_the_hidden_size_on_the_fitted_shapes_and_grows_with_the_mlp():
@@ -27,18 +27,18 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     sys.path.insert(0, str(REPO / "bench"))
     from model_zoo import BENCH_MEAN_SEQ_FRACTION
 
-    # outside, and why: a 64-row micro-batch plan lfa no longer makes (its memory is priced over the card); Gemma-2's
-    # eager 49k-token plan of session 27 (-17.1%, liger's 512-row chunks, not rerun); StarCoder2's capped ZeRO-2
-    # offload default of session 30 (+14.6%: its gc26 neighbour ran 8% slower on other H100 hosts, whose CPU Adam and
-    # pinned copies the per-step term prices; one row, not refitted) and its H200 master default (+11.3%: StarCoder2
-    # without liger runs faster than the DeepSeek-fitted no-liger rate says on the H200, +9.3% on session 18's
-    # autocast row; its H100 rows are -0.3..+7.1%). The Llama-3.2-3B small-budget rows (-10.3..-11.0% with the
-    # master accumulation priced at the datasheet bandwidth) are inside since it is priced at the streaming rate.
+    # outside, and why: Gemma-2's eager 49k-token plan of session 27 (-17.1%, liger's 512-row chunks, not rerun);
+    # StarCoder2's capped ZeRO-2 offload default of session 30 (+15.5%: its gc26 neighbour ran 8% slower on other H100
+    # hosts, whose CPU Adam and pinned copies the per-step term prices; one row, not refitted; the same plan on
+    # session 38's H200 host: +0.9%); Gemma-2 on the H200, its eager master default of session 30 (-10.7%) and its
+    # capped ZeRO-2 offload plan of session 19 (-10.0%): since the memory-bound share of a rate runs at the card's
+    # bandwidth (throughput.sub_cap_time_factor), Gemma-2's H200 rows are priced 2-4% faster than before, where
+    # StarCoder2's H200 rows (+11.3%, +13.9% before) and session 38's DeepSeek-Coder rows came within 10%
     known_outside = {
-        ("bigcode/starcoder2-3b", "bf16/mbs8xga8x1/nogc/sdpa/master/padfree/sorted/tb16384"),
         ("bigcode/starcoder2-3b", "fp16/mbs8xga8x1/gc25/sdpa/zero2-offload-optimizer/padfree/sorted"),
-        ("Qwen/Qwen3-1.7B", "fp16/mbs64xga1x1/gc/liger/sdpa/zero2-offload-optimizer/padfree/sorted"),
         ("google/gemma-2-2b", "bf16/mbs16xga4x1/gc25/liger/eager/master/sorted/tb49152"),
+        ("google/gemma-2-2b", "bf16/mbs4xga16x1/nogc/liger/eager/master/sorted/tb12288"),
+        ("google/gemma-2-2b", "fp16/mbs32xga2x1/gc25/liger/sdpa/zero2-offload-optimizer/sorted"),
     }
     rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
     errors = {}
@@ -53,6 +53,75 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     outside = {(model, plan) for (model, plan, _), error in errors.items() if abs(error) > 0.10}
     assert outside == known_outside, {k: round(v, 3) for k, v in errors.items() if abs(v) > 0.10}
     assert len(errors) >= 20
+
+
+def test_issue_33s_headline_rows_are_predicted_within_ten_percent():
+    """Session 38's H200 calls: the 6.7B and 1.3B defaults on the whole card and the capped default's three
+    alternated runs, each against the prediction for the kernels it ran (bench/model_check.py's pricing)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import model_check
+
+    runs = sorted((REPO / "bench" / "results" / "h200_session38").glob("call*/seed_*/seed_scenario.json"))
+    errors = {}
+    for run in runs:
+        for label, row in json.loads(run.read_text()).items():
+            plan = None if label.startswith(("_", "seed_fix")) else model_check.plan_of(label, row)
+            if plan is None:
+                continue
+            with run_kernels.measured_with(run_kernels.of_row(row)):
+                predicted = predict_tokens_per_s(
+                    model_check.spec_of(label, row),
+                    plan,
+                    load_profile(model_check.profile_of(label, str(run))),
+                    2048,
+                    model_check.MEAN_FRACTION,
+                )
+            errors[f"{run.parent.parent.name}/{run.parent.name}:{label}"] = row["steady_tokens_per_s"] / predicted - 1
+    assert len(errors) == 6  # 6.7B, 1.3B twice, capped three times
+    assert all(abs(error) <= 0.10 for error in errors.values()), {k: round(v, 3) for k, v in errors.items()}
+
+
+def test_the_memory_bound_share_of_a_rate_runs_at_the_cards_bandwidth(monkeypatch):
+    from lf_adapter.memory import coefficients
+
+    h100, h200 = load_profile("h100"), load_profile("h200")
+    cap = 989e12 * 0.55  # mfu_max: fixed shapes, GEMM-bound
+    assert sub_cap_time_factor(cap, h200.gpu) == 1.0
+    assert sub_cap_time_factor(0.8 * cap, h100.gpu) == pytest.approx(1.0, abs=1e-3)  # the reference card
+    assert sub_cap_time_factor(0.8 * cap, h200.gpu) == pytest.approx(0.8 + 0.2 * 3.35 / 4.8, rel=1e-3)
+    v100 = load_profile("v100-32g").gpu  # 139 FLOPs per byte, below the measured range: priced as the H200
+    assert sub_cap_time_factor(0.8 * 125e12 * 0.55, v100) == pytest.approx(0.8 + 0.2 * 206.0 / 295.2, rel=1e-3)
+    # the 6.7B's H200 default sits at the cap: its price does not depend on the reference; the 1.3B's does
+    plans = (
+        ("deepseek-ai/deepseek-coder-6.7b-base", "bf16/mbs2xga32x1/gc4/liger/sdpa/master/padfree/sorted/tb4096"),
+        ("deepseek-ai/deepseek-coder-1.3b-base", "bf16/mbs32xga2x1/nogc/liger/sdpa/master/padfree/sorted/tb65536"),
+    )
+    priced = [predict_tokens_per_s(load_model_spec(n), Plan.from_label(p), h200, 2048, 0.72) for n, p in plans]
+    monkeypatch.setitem(coefficients()["throughput"], "sub_cap_reference_flops_per_byte", 989.0 / 4.8)
+    as_reference = [predict_tokens_per_s(load_model_spec(n), Plan.from_label(p), h200, 2048, 0.72) for n, p in plans]
+    assert priced[0] == pytest.approx(as_reference[0])
+    assert priced[1] / as_reference[1] == pytest.approx(1.05, abs=0.01)
+
+
+def test_the_attention_row_copies_cost_what_the_squeeze_saved():
+    """Session 30 against session 38, the 1.3B's H200 default (same plan, 93,315 tokens per step): the profiled
+    step's copies, casts and elementwise fell from 0.131 to 0.055 s with the squeeze (attention_row_view); the
+    copies priced for the indexed row are within 15% of that drop, and nothing is priced with the squeeze."""
+    from lf_adapter.throughput import attention_row_copies_s
+
+    results = REPO / "bench" / "results"
+    before = json.loads((results / "h200_session30/call1/seed/seed_scenario.json").read_text())["h200"]
+    after = json.loads((results / "h200_session38/call1/seed_3/seed_scenario.json").read_text())["h200"]
+    kind = "copies, casts, other elementwise"
+    drop = before["kernel_profile"]["kinds_s"][kind] - after["kernel_profile"]["kinds_s"][kind]
+    model, plan = load_model_spec("deepseek-ai/deepseek-coder-1.3b-base"), Plan.from_label(after["plan"])
+    assert before["tokens_per_step"] == after["tokens_per_step"]
+    with run_kernels.measured_with(run_kernels.of_row(before)):
+        priced = attention_row_copies_s(model, plan, before["tokens_per_step"], 4.8)
+    assert priced == pytest.approx(drop, rel=0.15)
+    with run_kernels.measured_with(run_kernels.of_row(after)):
+        assert attention_row_copies_s(model, plan, after["tokens_per_step"], 4.8) == 0.0
+    assert attention_row_copies_s(model, plan.replace(padding_free=False), 1e5, 4.8) == 0.0
 
 
 @pytest.mark.parametrize("name", ["meta-llama/Llama-3.2-3B", "Qwen/Qwen3-1.7B"])
