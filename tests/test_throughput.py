@@ -30,10 +30,11 @@ def test_the_zoo_rows_not_fitted_on_are_predicted_within_ten_percent():
     # outside, and why: Gemma-2's eager 49k-token plan of session 27 (-17.1%, liger's 512-row chunks, not rerun);
     # StarCoder2's capped ZeRO-2 offload default of session 30 (+15.5%: its gc26 neighbour ran 8% slower on other H100
     # hosts, whose CPU Adam and pinned copies the per-step term prices; one row, not refitted; the same plan on
-    # session 38's H200 host: +0.9%); Gemma-2 on the H200, its eager master default of session 30 (-10.7%) and its
+    # session 38's H200 host: -2.6%); Gemma-2 on the H200, its eager master default of session 30 (-10.7%) and its
     # capped ZeRO-2 offload plan of session 19 (-10.0%): since the memory-bound share of a rate runs at the card's
     # bandwidth (throughput.sub_cap_time_factor), Gemma-2's H200 rows are priced 2-4% faster than before, where
-    # StarCoder2's H200 rows (+11.3%, +13.9% before) and session 38's DeepSeek-Coder rows came within 10%
+    # StarCoder2's session-30 H200 row (+11.3% before; its session-38 row is marked used_for_fit) and session 38's
+    # DeepSeek-Coder rows came within 10%
     known_outside = {
         ("bigcode/starcoder2-3b", "fp16/mbs8xga8x1/gc25/sdpa/zero2-offload-optimizer/padfree/sorted"),
         ("google/gemma-2-2b", "bf16/mbs16xga4x1/gc25/liger/eager/master/sorted/tb49152"),
