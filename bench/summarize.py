@@ -1,5 +1,6 @@
 """The headline figures: capped plan vs the seed's fix, MFU of the 1.3B and 6.7B default h200 plans, and whether the
-default plans are exact (no packing). Writes bench/results/summary.json.
+default plans are exact (no packing). Writes bench/results/summary.json from every run; named runs are only
+printed, so that a look at one run does not replace the headline file with its figures.
 
 usage: python bench/summarize.py [RUN ...]   (results folders holding seed_scenario.json, or runs' JSON files;
 default: every bench/results/h200_session*/**/seed*.json). Each figure comes from the newest run that measured it
@@ -103,6 +104,9 @@ def main() -> None:
             else ""
         )
         print(f"{figure:20s} {entry['value']!s:>7s}  {entry['run']}{extra}")
+    if len(sys.argv) > 1:
+        print(f"named runs: {RESULTS / 'summary.json'} left as it is (it summarizes every run)")
+        return
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS / 'summary.json'}")
 
