@@ -60,6 +60,15 @@ def plan_of(label: str, row: dict) -> Plan | None:
     return Plan.from_label(text)
 
 
+def predicted_tokens_per_s(label: str, row: dict, run: str, plan: Plan) -> float:
+    """The throughput model's figure for one row of a seed run (its plan: plan_of), priced on the card it ran on with
+    the kernels it ran (before session 28: liger's own chunks)."""
+    with run_kernels.measured_with(run_kernels.of_row(row)):
+        return predict_tokens_per_s(
+            spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
+        )
+
+
 def main() -> None:
     runs = sys.argv[1:] or [
         *sorted(str(p) for p in Path("bench/results/h200_session9").glob("run[CD].json")),
@@ -80,11 +89,7 @@ def main() -> None:
             plan = plan_of(label, row)
             if plan is None or (row.get("steps_measured") or 9) < 3:
                 continue
-            # priced with the kernels the run had (before session 28: liger's own chunks)
-            with run_kernels.measured_with(run_kernels.of_row(row)):
-                predicted = predict_tokens_per_s(
-                    spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
-                )
+            predicted = predicted_tokens_per_s(label, row, run, plan)
             measured = row["steady_tokens_per_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))

@@ -36,7 +36,7 @@ WHOLE_CARD_PROFILES = HARDWARE["whole"][0]  # lfa's profile of each card the ben
 def layer_linears(spec) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each linear weight in one decoder layer."""
     h, f = spec.hidden_size, spec.intermediate_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, kv = spec.q_width, spec.kv_width
     shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "up": (f, h), "down": (h, f)}
     if spec.gated_mlp:
         shapes["gate"] = (f, h)

@@ -81,10 +81,20 @@ class ModelSpec:
         return self.arch not in UNGATED_MLP
 
     @property
+    def q_width(self) -> int:
+        """Query heads x head dim: the width of q and of the attention's output."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Key-value heads x head dim: the width of k and of v."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
     def params_per_layer(self) -> int:
         """Weights and biases of one decoder layer, as the family's modeling code builds them."""
         h, f = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = self.q_width, self.kv_width
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.output_bias else 0)
         mlp = (3 if self.gated_mlp else 2) * h * f + ((f + h) if self.output_bias else 0)
         norms = self.norms_per_layer * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)

@@ -34,7 +34,7 @@ def saved_tensors_per_token(
     False) the residual stream and the norms' outputs are fp32, and every linear reading them keeps its own 16-bit
     cast of its input; a 16-bit model's linears share their 16-bit input."""
     h, f = model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    q, kv = model.q_width, model.kv_width
     kv_kept = kv if attention == "sdpa" else q
     residual = SIXTEEN_BIT if sixteen_bit_model else FP32
     qkv_inputs = 1 if sixteen_bit_model else model.qkv_projections

@@ -27,7 +27,7 @@ def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) ->
     gpu = hardware.gpu
     partition = model.num_params / (plan.world_size if plan.shards_optimizer else 1)
     updated = badam_block_params(model) if plan.optimizer == Optimizer.BADAM else partition  # BAdam steps one block
-    hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
+    hbm = datasheet_bytes_per_s(gpu.hbm_tbps)  # what the per-parameter terms were fitted against
     seconds = t["optimizer_bytes_per_param"] * updated / hbm
     if plan.master_weights:
         seconds += MASTER_COPY_BACK_BYTES_PER_PARAM * updated / streaming_bytes_per_s(gpu.hbm_tbps)
@@ -103,7 +103,7 @@ def predict_tokens_per_s(
     if plan.precision != "fp32":
         gpu_s += fused_projection_copies_s(model, plan, padded_tokens, recomputed, gpu.hbm_tbps)
         gpu_s += attention_row_copies_s(model, plan, padded_tokens, gpu.hbm_tbps)
-    hbm = max(gpu.hbm_tbps, 0.5) * 1e12  # the datasheet bandwidth the per-parameter terms were fitted against
+    hbm = datasheet_bytes_per_s(gpu.hbm_tbps)  # what the per-parameter terms were fitted against
     if plan.master_weights:
         gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / streaming_bytes_per_s(gpu.hbm_tbps)
         if not layer_norms_run_in_fp32(model, plan):
@@ -144,7 +144,7 @@ def sub_cap_time_factor(rate: float, gpu: GPUSpec) -> float:
     t = coefficients()["throughput"]
     share = max(0.0, 1.0 - rate / (gpu.peak_tflops_16bit * 1e12 * t["mfu_max"]))
     reference = t["sub_cap_reference_flops_per_byte"]
-    flops_per_byte = gpu.peak_tflops_16bit / max(gpu.hbm_tbps, 0.5)
+    flops_per_byte = gpu.peak_tflops_16bit * 1e12 / datasheet_bytes_per_s(gpu.hbm_tbps)
     flops_per_byte = min(max(flops_per_byte, t["sub_cap_lowest_checked_flops_per_byte"]), reference)
     return (1.0 - share) + share * flops_per_byte / reference
 
@@ -195,7 +195,7 @@ def fused_projection_copies_s(model: ModelSpec, plan: Plan, tokens: float, recom
     write 2, twice). A fused gate/up MLP under liger's chunked SwiGLU copies both halves in each forward and
     concatenates their gradients; lfa's plugin runs liger's fused gate-up function instead (no copies). 16-bit bytes
     by construction from transformers' Phi3Attention and liger 0.8.5's rope/swiglu; memory-bound."""
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    q, kv = model.q_width, model.kv_width
     forward = backward = 0.0
     if model.arch in FUSED_QKV and plan.liger:
         forward += 4.0 * (q + kv)
@@ -216,8 +216,8 @@ def attention_row_copies_s(model: ModelSpec, plan: Plan, tokens: float, hbm_tbps
     the streaming rate: their rate is measured (catalog/memory_model.yaml). The squeeze keeps the gradients views."""
     if not plan.padding_free or run_kernels.priced().attention_row_view:
         return 0.0
-    elements = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim  # q, k and v per token
-    copy_rate = max(hbm_tbps, 0.5) * 1e12 * coefficients()["throughput"]["strided_copy_bandwidth_fraction"]
+    elements = model.q_width + 2 * model.kv_width  # q, k and v per token
+    copy_rate = datasheet_bytes_per_s(hbm_tbps) * coefficients()["throughput"]["strided_copy_bandwidth_fraction"]
     return 2 * 4.0 * elements * tokens * model.num_layers / copy_rate
 
 
@@ -236,9 +236,14 @@ def eager_scores_s(
     return scores * (forward * (1.0 + recomputed) + backward) / streaming_bytes_per_s(hbm_tbps)
 
 
+def datasheet_bytes_per_s(hbm_tbps: float) -> float:
+    """A profile's datasheet bandwidth in bytes per second (at least 0.5 TB/s where a profile gives less or none)."""
+    return max(hbm_tbps, 0.5) * 1e12
+
+
 def streaming_bytes_per_s(hbm_tbps: float) -> float:
     """What memory-bound kernels reach of the datasheet bandwidth (measured on the H100, catalog/memory_model.yaml)."""
-    return max(hbm_tbps, 0.5) * 1e12 * coefficients()["throughput"]["streaming_bandwidth_fraction"]
+    return datasheet_bytes_per_s(hbm_tbps) * coefficients()["throughput"]["streaming_bandwidth_fraction"]
 
 
 def micro_batches_per_step(plan: Plan, padded_len: float) -> float:

@@ -69,14 +69,7 @@ def test_issue_33s_headline_rows_are_predicted_within_ten_percent():
             plan = None if label.startswith(("_", "seed_fix")) else model_check.plan_of(label, row)
             if plan is None:
                 continue
-            with run_kernels.measured_with(run_kernels.of_row(row)):
-                predicted = predict_tokens_per_s(
-                    model_check.spec_of(label, row),
-                    plan,
-                    load_profile(model_check.profile_of(label, str(run))),
-                    2048,
-                    model_check.MEAN_FRACTION,
-                )
+            predicted = model_check.predicted_tokens_per_s(label, row, str(run), plan)
             errors[f"{run.parent.parent.name}/{run.parent.name}:{label}"] = row["steady_tokens_per_s"] / predicted - 1
     assert len(errors) == 6  # 6.7B, 1.3B twice, capped three times
     assert all(abs(error) <= 0.10 for error in errors.values()), {k: round(v, 3) for k, v in errors.items()}
