@@ -101,12 +101,22 @@ GENERATED = {
 }
 GENERATED["h200_compile"] = GENERATED["h200"]  # the same plan with each decoder layer under torch.compile
 GENERATED["capped_compile"] = GENERATED["capped"]
-LABEL_ENV = {"h200_compile": {contract.COMPILE_LAYERS: "1"}, "capped_compile": {contract.COMPILE_LAYERS: "1"}}
+GENERATED["h200_hook"] = GENERATED["h200"]  # the same plan, master gradients added by the hook (before session 39)
+GENERATED["capped_hook"] = GENERATED["capped"]
+HOOK_ENV = {contract.FUSED_WEIGHT_GRADIENTS: "0"}
+LABEL_ENV = {
+    "h200_compile": {contract.COMPILE_LAYERS: "1"},
+    "capped_compile": {contract.COMPILE_LAYERS: "1"},
+    "h200_hook": HOOK_ENV,
+    "capped_hook": HOOK_ENV,
+}
 SAME_PLAN_AS = {  # label -> the label whose plan it pins
     "h200_master_same": "h200",
     "capped_master_same": "capped",
     "h200_compile": "h200",
     "capped_compile": "capped",
+    "h200_hook": "h200",
+    "capped_hook": "capped",
 }
 
 

@@ -94,11 +94,16 @@ class ModelSpec:
     def params_per_layer(self) -> int:
         """Weights and biases of one decoder layer, as the family's modeling code builds them."""
         h, f = self.hidden_size, self.intermediate_size
-        q, kv = self.q_width, self.kv_width
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.output_bias else 0)
-        mlp = (3 if self.gated_mlp else 2) * h * f + ((f + h) if self.output_bias else 0)
+        qkv_biases = self.q_width + 2 * self.kv_width if self.attention_bias else 0
+        output_biases = 2 * h + f if self.output_bias else 0  # o's and the MLP's (up: f, down: h)
         norms = self.norms_per_layer * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
-        return attn + mlp + norms
+        return self.linear_weights_per_layer + qkv_biases + output_biases + norms
+
+    @property
+    def linear_weights_per_layer(self) -> int:
+        """Elements of one decoder layer's linear weights (q, k, v, o and the MLP's; no biases or norms)."""
+        h, f = self.hidden_size, self.intermediate_size
+        return 2 * h * self.q_width + 2 * h * self.kv_width + (3 if self.gated_mlp else 2) * h * f
 
     @property
     def norms_per_layer(self) -> int:

@@ -18,6 +18,11 @@ from .strategy import Offload, Optimizer
 # datasheet bandwidth in Gemma-2's session-37 profile; the datasheet rate under-priced it by a third)
 MASTER_ACCUMULATE_BYTES_PER_PARAM = 10.0
 MASTER_COPY_BACK_BYTES_PER_PARAM = 6.0
+# the decoder's linear weights whose GEMM adds into the fp32 gradient (run_kernels.fused_weight_gradients): what that
+# costs over a 16-bit GEMM output, in bytes per parameter at the streaming rate. MEASURED on the 6.7B's linears at
+# 4,096 tokens (bench/wgrad_check.py, H200, session 38): 75.43 ms against the hook path's 91.50, of which the add
+# was priced 22.49 ms at 10 bytes: (75.43 - 91.50 + 22.49) / 22.49 x 10
+FUSED_ACCUMULATE_BYTES_PER_PARAM = 2.85
 
 
 def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) -> float:
@@ -105,7 +110,7 @@ def predict_tokens_per_s(
         gpu_s += attention_row_copies_s(model, plan, padded_tokens, gpu.hbm_tbps)
     hbm = datasheet_bytes_per_s(gpu.hbm_tbps)  # what the per-parameter terms were fitted against
     if plan.master_weights:
-        gpu_s += MASTER_ACCUMULATE_BYTES_PER_PARAM * model.num_params / streaming_bytes_per_s(gpu.hbm_tbps)
+        gpu_s += master_accumulate_bytes(model) / streaming_bytes_per_s(gpu.hbm_tbps)
         if not layer_norms_run_in_fp32(model, plan):
             # the rates were fitted under autocast, whose residual stream is fp32: a 16-bit model does not move those
             # bytes (per token, hidden unit and layer; forward and backward; autocast's recompute is priced below)
@@ -133,6 +138,13 @@ def predict_tokens_per_s(
     step_s = micro_batches * (max(cpu_s, gpu_s) + zero3_fetch_s)
     step_s += _once_per_step_s(model, plan, hardware)
     return real_tokens * micro_batches * plan.world_size / step_s
+
+
+def master_accumulate_bytes(model: ModelSpec) -> float:
+    """Bytes one micro-batch moves to add its weight gradients into the fp32 masters': the fused GEMM's extra for the
+    decoder's linear weights where the run fuses them, the hook's add for the rest (embeddings, norms, biases)."""
+    fused = model.num_layers * model.linear_weights_per_layer if run_kernels.priced().fused_weight_gradients else 0
+    return FUSED_ACCUMULATE_BYTES_PER_PARAM * fused + MASTER_ACCUMULATE_BYTES_PER_PARAM * (model.num_params - fused)
 
 
 def sub_cap_time_factor(rate: float, gpu: GPUSpec) -> float:

@@ -39,6 +39,38 @@ def test_master_gradients_are_the_fp32_sum_of_the_micro_batches_bf16_gradients()
         assert torch.equal(master.grad, expected[name]), name
 
 
+def _qwen2_with_biases():
+    """A tiny Qwen2: biases on q, k and v, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    return Qwen2ForCausalLM(Qwen2Config(**shape, num_key_value_heads=2, tie_word_embeddings=True)).float()
+
+
+@pytest.mark.parametrize("build", [_tiny_model, _qwen2_with_biases])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_layers_add_their_weight_gradients_into_the_masters_as_the_hook_does(build, dtype):
+    """The fused path (LFA_FUSED_WGRAD): each decoder linear's backward adds its weight gradient into the master's,
+    the output embedding left to the hook. On the CPU, which has no fp32-output GEMM, it adds the 16-bit product
+    as the hook does, so the masters' gradients are bit-equal over three micro-batches, with recompute too."""
+    from lf_adapter.plugin import master_weights
+
+    hooked, fused = build(), build()
+    by_hook = MasterWeights(hooked, dtype)
+    by_gemm = MasterWeights(fused, dtype, fused_weight_gradients=True)
+    assert by_hook.fused_linears == 0 and by_gemm.fused_linears == 7 * 2  # q, k, v, o, gate, up, down per layer
+    assert not master_weights._fp32_output_gemm("cpu", dtype)
+    fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    fused.train()
+    for batch in _micro_batches():
+        hooked(**batch).loss.backward()
+        fused(**batch).loss.backward()
+    assert all(p.grad is None for p in fused.parameters())
+    for (name, _), expected, got in zip(hooked.named_parameters(), by_hook.masters, by_gemm.masters):
+        assert torch.equal(got.grad, expected.grad), name
+
+
 def test_the_optimizer_steps_the_masters_and_the_model_gets_their_bf16_rounding():
     model = _tiny_model()
     weights = MasterWeights(model)
@@ -106,6 +138,7 @@ def test_a_recipe_with_master_weights_trains_as_the_autocast_recipe_does(tmp_pat
     assert "export LFA_MASTER_WEIGHTS=1" in (master / "launch.sh").read_text()
     log = (master / "run" / _ledger(master / "run")["attempts"][0]["log"]).read_text()
     assert f"lfa: master weights: 21 {'bfloat16' if precision == 'bf16' else 'float16'} weights" in log
+    assert "14 linear layers add their 16-bit weight gradients (no fp32-output GEMM on cpu)" in log
     autocast, result = _train(tmp_path, demo_assets, "autocast", precision=precision)
     assert result.returncode == 0, result.stdout + result.stderr
     for key, tolerance in (("loss", 1e-3), ("grad_norm", 1e-2)):

@@ -4,12 +4,16 @@ trains under autocast, which casts every weight to 16 bits again in each micro-b
 keeps the residual stream in fp32. Here the model holds 16-bit weights; each fp32 weight becomes the optimizer's
 master, each micro-batch's 16-bit gradient is added into the master's fp32 gradient as soon as autograd has it (then
 freed), unscaling (fp16), clipping and AdamW run on the masters, and the step copies them back into the model.
+The plain linear layers go further (LFA_FUSED_WGRAD, unset or "1"): their weight-gradient GEMM adds into the fp32
+gradient itself (addmm with an fp32 output, Megatron's gradient-accumulation fusion), with no 16-bit gradient and
+no separate pass; where this torch lacks that GEMM (the CPU) they add its 16-bit product, as the hook does.
 LLaMA-Factory's pure_bf16 is not this: it has no fp32 master. Checkpoints and the final model are saved from the
 masters (fp32, as without this), and a resume loads them back."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import types
 
@@ -35,7 +39,7 @@ def why_not(trainer) -> str | None:
 class MasterWeights:
     """The model's trainable parameters (16-bit now) paired with their fp32 masters."""
 
-    def __init__(self, model, dtype=None):
+    def __init__(self, model, dtype=None, fused_weight_gradients: bool = False):
         import torch
 
         self.dtype = dtype or torch.bfloat16
@@ -50,6 +54,7 @@ class MasterWeights:
             param.register_post_accumulate_grad_hook(_accumulate_into(master))
             self.pairs.append((param, master))
         self.master_of = {id(param): master for param, master in self.pairs}
+        self.fused_linears = _fuse_weight_gradients(model, self.master_of) if fused_weight_gradients else 0
 
     @property
     def masters(self) -> list:
@@ -95,6 +100,91 @@ class MasterWeights:
                 param.data = master.data.to(self.dtype)
 
 
+def _fuse_weight_gradients(model, master_of: dict) -> int:
+    """Point each plain linear layer whose weight has a master (the output embedding aside: tied to the input one,
+    or walked by liger's fused loss) at fused_weight_gradient_linear; how many. Any other use of a weight still reaches
+    its master through the hook, so a sum of both paths is still the whole gradient."""
+    import torch
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    fused = 0
+    for module in model.modules():
+        if type(module).forward is not torch.nn.Linear.forward or module is output:
+            continue
+        master = master_of.get(id(module.weight))
+        if master is not None:
+            module.forward = types.MethodType(_fused_linear_forward(master), module)
+            fused += 1
+    return fused
+
+
+def _fused_linear_forward(master):
+    def forward(self, x):  # the weight detached: autograd has no gradient for it, so its hook does not run
+        return fused_weight_gradient_linear().apply(x, self.weight.detach(), self.bias, master)
+
+    return forward
+
+
+def _weight_gradient_into(master, grad_out, inputs) -> None:
+    """master.grad += grad_out^T @ inputs (rows: tokens), in the GEMM with an fp32 output where this torch has one
+    for the device and dtype, else the 16-bit product added (the hook's arithmetic)."""
+    import torch
+
+    if _fp32_output_gemm(grad_out.device.type, grad_out.dtype):
+        if master.grad is None:
+            master.grad = torch.mm(grad_out.t(), inputs, out_dtype=torch.float32)
+        else:
+            torch.addmm(master.grad, grad_out.t(), inputs, out_dtype=torch.float32, out=master.grad)
+    elif master.grad is None:
+        master.grad = (grad_out.t() @ inputs).to(torch.float32)
+    else:
+        master.grad.add_(grad_out.t() @ inputs)
+
+
+@functools.cache
+def _fp32_output_gemm(device_type: str, dtype) -> bool:
+    """Whether torch's 16-bit GEMM with an fp32 output (mm/addmm out_dtype: CUDA, torch >= 2.8) runs here."""
+    import torch
+
+    try:
+        a = torch.ones(2, 2, device=device_type, dtype=dtype)
+        c = torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(c.dtype == torch.float32 and c[0, 0].item() == 4.0)
+
+
+@functools.cache
+def fused_weight_gradient_linear():
+    """The autograd function (built on first use: torch is imported when the plugin trains)."""
+    import torch
+
+    class FusedWeightGradLinear(torch.autograd.Function):
+        """y = x W^T + b whose backward adds the weight's gradient into its fp32 master's; the input's and the bias's
+        gradients as nn.Linear's."""
+
+        @staticmethod
+        def forward(ctx, x, weight, bias, master):
+            x = x.to(
+                weight.dtype
+            )  # as autocast would cast it (an fp32 norm's output); autograd casts its gradient back
+            ctx.save_for_backward(x, weight)
+            ctx.master, ctx.has_bias = master, bias is not None
+            return torch.nn.functional.linear(x, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, weight = ctx.saved_tensors
+            rows = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+            _weight_gradient_into(ctx.master, rows, x.reshape(-1, x.shape[-1]))
+            grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            return grad_x, None, grad_bias, None
+
+    return FusedWeightGradLinear
+
+
 def _accumulate_into(master):
     import torch
 
@@ -122,7 +212,9 @@ def set_up(trainer) -> None:
     import torch
 
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16
-    trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype)
+    # not under torch.compile (a bench experiment): its graphs would have to carry the in-place gradient add
+    fused = os.environ.get(contract.FUSED_WEIGHT_GRADIENTS) != "0" and not os.environ.get(contract.COMPILE_LAYERS)
+    trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype, fused_weight_gradients=fused)
     model_zero_grad = trainer.model.zero_grad
 
     def zero_grad(*args, **kwargs):
@@ -137,9 +229,18 @@ def set_up(trainer) -> None:
         return original_clip(weights.masters, max_norm, norm_type=norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+    device = next(trainer.model.parameters()).device.type
+    if not weights.fused_linears:
+        how = "each weight gradient added into its fp32 one by a hook"
+    elif _fp32_output_gemm(device, dtype):
+        how = f"{weights.fused_linears} linear layers' weight-gradient GEMMs add into the fp32 ones"
+    else:
+        how = (
+            f"{weights.fused_linears} linear layers add their 16-bit weight gradients (no fp32-output GEMM on {device})"
+        )
     print(
         f"lfa: master weights: {len(weights.pairs)} {str(dtype).split('.')[-1]} weights in the model, their fp32 "
-        "masters and fp32 gradients in the optimizer",
+        f"masters and fp32 gradients in the optimizer; {how}",
         flush=True,
     )
 
