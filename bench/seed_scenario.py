@@ -101,22 +101,22 @@ GENERATED = {
 }
 GENERATED["h200_compile"] = GENERATED["h200"]  # the same plan with each decoder layer under torch.compile
 GENERATED["capped_compile"] = GENERATED["capped"]
-GENERATED["h200_hook"] = GENERATED["h200"]  # the same plan, master gradients added by the hook (before session 39)
-GENERATED["capped_hook"] = GENERATED["capped"]
-HOOK_ENV = {contract.FUSED_WEIGHT_GRADIENTS: "0"}
+GENERATED["h200_fused"] = GENERATED["h200"]  # the same plan, master gradients added in the GEMM (LFA_FUSED_WGRAD)
+GENERATED["capped_fused"] = GENERATED["capped"]
+FUSED_ENV = {contract.FUSED_WEIGHT_GRADIENTS: "1"}
 LABEL_ENV = {
     "h200_compile": {contract.COMPILE_LAYERS: "1"},
     "capped_compile": {contract.COMPILE_LAYERS: "1"},
-    "h200_hook": HOOK_ENV,
-    "capped_hook": HOOK_ENV,
+    "h200_fused": FUSED_ENV,
+    "capped_fused": FUSED_ENV,
 }
 SAME_PLAN_AS = {  # label -> the label whose plan it pins
     "h200_master_same": "h200",
     "capped_master_same": "capped",
     "h200_compile": "h200",
     "capped_compile": "capped",
-    "h200_hook": "h200",
-    "capped_hook": "capped",
+    "h200_fused": "h200",
+    "capped_fused": "capped",
 }
 
 

@@ -51,7 +51,7 @@ def _qwen2_with_biases():
 @pytest.mark.parametrize("build", [_tiny_model, _qwen2_with_biases])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_layers_add_their_weight_gradients_into_the_masters_as_the_hook_does(build, dtype):
-    """The fused path (LFA_FUSED_WGRAD): each decoder linear's backward adds its weight gradient into the master's,
+    """The fused path (LFA_FUSED_WGRAD=1): each decoder linear's backward adds its weight gradient into the master's,
     the output embedding left to the hook. On the CPU, which has no fp32-output GEMM, it adds the 16-bit product
     as the hook does, so the masters' gradients are bit-equal over three micro-batches, with recompute too."""
     from lf_adapter.plugin import master_weights
@@ -69,6 +69,42 @@ def test_linear_layers_add_their_weight_gradients_into_the_masters_as_the_hook_d
     assert all(p.grad is None for p in fused.parameters())
     for (name, _), expected, got in zip(hooked.named_parameters(), by_hook.masters, by_gemm.masters):
         assert torch.equal(got.grad, expected.grad), name
+
+
+def test_the_fp32_output_gemm_branch_sums_the_micro_batches_in_fp32(monkeypatch):
+    """Where torch has the fp32-output GEMM (CUDA), the first micro-batch's weight gradient is created by it and the
+    next ones are added into that tensor in place. The CPU has no such GEMM, so torch's mm/addmm are stood in by
+    fp32 matmuls here: the master's gradient is the fp32 sum of the products, not of their 16-bit roundings."""
+    from lf_adapter.plugin import master_weights
+
+    calls = []
+
+    def mm(a, b, out_dtype=None):
+        calls.append("mm")
+        assert out_dtype is torch.float32 and a.dtype == b.dtype == torch.bfloat16
+        return a.float() @ b.float()
+
+    def addmm(c, a, b, out_dtype=None, out=None):
+        calls.append("addmm")
+        assert out_dtype is torch.float32 and out is c and c.dtype == torch.float32
+        return out.add_(a.float() @ b.float())
+
+    torch.manual_seed(0)
+    pairs = [(torch.randn(40, 6).bfloat16(), torch.randn(40, 5).bfloat16()) for _ in range(3)]  # (grad_out, input)
+    master = torch.nn.Parameter(torch.zeros(6, 5))
+    monkeypatch.setattr(master_weights, "_fp32_output_gemm", lambda device, dtype: True)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    for index, (grad_out, inputs) in enumerate(pairs):
+        master_weights._weight_gradient_into(master, grad_out, inputs)
+        if index == 0:
+            first = master.grad
+    monkeypatch.undo()
+    assert calls == ["mm", "addmm", "addmm"] and master.grad is first and master.grad.dtype == torch.float32
+    exact = sum(g.double().t() @ x.double() for g, x in pairs)
+    rounded = sum((g.t() @ x).double() for g, x in pairs)  # the hook's: each product rounded to bf16
+    assert torch.allclose(master.grad.double(), exact, rtol=1e-6, atol=1e-5)
+    assert (master.grad.double() - exact).abs().max() < (rounded - exact).abs().max() / 10
 
 
 def test_the_optimizer_steps_the_masters_and_the_model_gets_their_bf16_rounding():
@@ -138,7 +174,7 @@ def test_a_recipe_with_master_weights_trains_as_the_autocast_recipe_does(tmp_pat
     assert "export LFA_MASTER_WEIGHTS=1" in (master / "launch.sh").read_text()
     log = (master / "run" / _ledger(master / "run")["attempts"][0]["log"]).read_text()
     assert f"lfa: master weights: 21 {'bfloat16' if precision == 'bf16' else 'float16'} weights" in log
-    assert "14 linear layers add their 16-bit weight gradients (no fp32-output GEMM on cpu)" in log
+    assert "each weight gradient added into its fp32 one by a hook" in log
     autocast, result = _train(tmp_path, demo_assets, "autocast", precision=precision)
     assert result.returncode == 0, result.stdout + result.stderr
     for key, tolerance in (("loss", 1e-3), ("grad_norm", 1e-2)):
