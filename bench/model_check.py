@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_zoo import BENCH_LENGTH_QUANTILES as LENGTH_QUANTILES  # noqa: E402
+
 from lf_adapter.hardware import load_profile  # noqa: E402
 from lf_adapter.memory import coefficients  # noqa: E402
 from lf_adapter.plan import Plan  # noqa: E402
@@ -65,7 +67,7 @@ def predicted_tokens_per_s(label: str, row: dict, run: str, plan: Plan) -> float
     the kernels it ran (before session 28: liger's own chunks)."""
     with run_kernels.measured_with(run_kernels.of_row(row)):
         return predict_tokens_per_s(
-            spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION
+            spec_of(label, row), plan, load_profile(profile_of(label, run)), 2048, MEAN_FRACTION, LENGTH_QUANTILES
         )
 
 

@@ -308,6 +308,12 @@ def markdown_table(rows: list[dict]) -> str:
 # every zoo model trains on the bench's 800 rows through the bench tokenizer: 1,180,098 tokens per epoch after
 # truncation at 2048 (lfa generate's data line, h100_session21 call 4), the mean row's share of cutoff_len
 BENCH_MEAN_SEQ_FRACTION = 1_180_098 / (800 * 2048)
+# and its row-length profile as lfa generate records it (lf_adapter.data.profile_dataset over make_assets.py's data
+# and tokenizer, session 39: the same 1,180,098 tokens): what the throughput model prices padded micro-batches from
+BENCH_LENGTH_QUANTILES = (
+    0.0791, 0.1582, 0.2021, 0.2437, 0.2896, 0.3242, 0.3789, 0.4443, 0.48, 0.522, 0.5708, 0.6147, 0.6558, 0.6973,
+    0.7241, 0.7759, 0.8105, 0.8486, 0.8833, 0.9214, 0.957, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+)  # fmt: skip
 
 
 def reprice(rows: list[dict]) -> None:
@@ -330,7 +336,7 @@ def reprice(rows: list[dict]) -> None:
         with run_kernels.measured_with(run_kernels.of_row(r)):
             memory = estimate(model, plan, 2048, hardware.gpu.vram_gib)
             fraction = 1.0 if plan.packing else BENCH_MEAN_SEQ_FRACTION
-            speed = predict_tokens_per_s(model, plan, hardware, 2048, fraction)
+            speed = predict_tokens_per_s(model, plan, hardware, 2048, fraction, BENCH_LENGTH_QUANTILES)
         r["repriced_reserved_gib"] = round(memory.reserved_gib, 2)
         if ran_out:
             r["repriced_fits"] = memory.fits

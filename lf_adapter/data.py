@@ -9,6 +9,7 @@ from pathlib import Path
 from . import UserError
 
 CHARS_PER_TOKEN = 3.0  # code through a BPE tokenizer; only used to guess padding when no tokenizer is loaded
+QUANTILE_STEPS = 32  # the row-length profile: min(length, cutoff) / cutoff at every 1/32 of the rows, shortest first
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class DatasetProfile:
     max_tokens: int = 0
     truncated_rows: int = 0
     total_tokens: int = 0  # after truncation to cutoff_len: what training sees
+    length_quantiles: tuple[float, ...] = ()  # QUANTILE_STEPS + 1 points of min(length, cutoff) / cutoff
 
     def steps(self, effective_batch: int, epochs: float) -> int:
         """Optimizer steps the trainer takes: each epoch ends with a last, partial batch."""
@@ -167,4 +169,23 @@ def profile_dataset(path: str, columns: dict, cutoff_len: int, model: str | None
         max_tokens=ordered[-1],
         truncated_rows=truncated,
         total_tokens=sum(clipped),
+        length_quantiles=length_quantiles(clipped, cutoff_len),
     )
+
+
+def length_quantiles(clipped: list[int], cutoff_len: int) -> tuple[float, ...]:
+    """Pure: the clipped row lengths over cutoff_len at every 1/QUANTILE_STEPS of the rows (nearest rank)."""
+    ordered = sorted(clipped)
+    last = len(ordered) - 1
+    return tuple(round(ordered[round(last * k / QUANTILE_STEPS)] / cutoff_len, 4) for k in range(QUANTILE_STEPS + 1))
+
+
+def quantiles_from_meta(meta: dict) -> tuple[float, ...]:
+    """The row-length quantiles an lfa-meta header records; empty where it records none or not a profile (the
+    throughput model then prices padding from the mean row alone)."""
+    value = meta.get("length_quantiles")
+    if not isinstance(value, list) or len(value) != QUANTILE_STEPS + 1:
+        return ()
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 < x <= 1.0 for x in value):
+        return ()
+    return tuple(float(x) for x in value) if all(a <= b for a, b in zip(value, value[1:])) else ()

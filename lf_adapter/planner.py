@@ -51,6 +51,7 @@ class PlanOptions:
     token_budget: bool = True  # micro-batches cut by a token budget (GPU plans without DeepSpeed); --no-token-budget
     master_weights: bool = True  # 16-bit model, fp32 masters (GPU plans on one process); --no-master-weights
     mean_seq_fraction: float = 0.75  # mean non-pad length / cutoff_len, when the dataset was not profiled
+    length_quantiles: tuple[float, ...] = ()  # the profiled data's row lengths (data.length_quantiles)
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
     # recovery after an OOM (remedies.replan_after_oom): what the log showed
     activation_scale: float = 1.0  # > 1: activations measured larger than modelled
@@ -385,13 +386,19 @@ def rank(fitting: list[Candidate]) -> list[Candidate]:
 
 
 def predict(
-    model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
+    model: ModelSpec,
+    plan: Plan,
+    hardware: HardwareProfile,
+    seq_len: int,
+    mean_seq_fraction: float,
+    length_quantiles: tuple[float, ...] = (),
 ) -> Candidate:
     """One plan's predicted GPU memory, host RAM and speed (what `lfa train` records per attempt and the report
     draws beside the measurements), judged against the headroom `lfa generate` plans with."""
     vram = hardware.gpu.vram_gib if hardware.has_gpu else None
     headroom = generate_headroom(model, hardware)
-    return _price(model, plan, hardware, seq_len, 1.0 if plan.packing else mean_seq_fraction, vram, headroom)
+    fraction = 1.0 if plan.packing else mean_seq_fraction
+    return _price(model, plan, hardware, seq_len, fraction, vram, headroom, length_quantiles=length_quantiles)
 
 
 def _price(
@@ -404,12 +411,13 @@ def _price(
     headroom: float = DEFAULT_HEADROOM,
     activation_scale: float = 1.0,
     ram_gib: float | None = None,
+    length_quantiles: tuple[float, ...] = (),
 ) -> Candidate:
     """A plan priced for GPU memory, speed, host RAM and disk."""
     return Candidate(
         plan,
         estimate(model, plan, seq_len, vram_gib, headroom, activation_scale),
-        predict_tokens_per_s(model, plan, hardware, seq_len, mean_seq_fraction),
+        predict_tokens_per_s(model, plan, hardware, seq_len, mean_seq_fraction, length_quantiles),
         host_memory(model, plan, hardware, ram_gib),
         disk_gib(model, plan),
         hardware.disk.free_gib if hardware.disk else None,
@@ -444,6 +452,7 @@ def plan(
             options.headroom,
             options.activation_scale,
             options.ram_gib,
+            options.length_quantiles,
         )
 
     below = options.below_reserved_gib

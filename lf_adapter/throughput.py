@@ -9,7 +9,7 @@ from .hardware import GPUSpec, HardwareProfile
 from .memory import badam_block_params, coefficients, layer_norms_run_in_fp32, liger_loss_chunk_rows
 from .model_spec import FUSED_GATE_UP, FUSED_QKV, ModelSpec
 from .plan import Plan
-from .plugin import run_kernels
+from .plugin import run_kernels, token_budget
 from .strategy import Offload, Optimizer
 
 # master weights (lfa plugin), by construction: each micro-batch adds the 16-bit weight gradients into the fp32
@@ -55,24 +55,33 @@ def _once_per_step_s(model: ModelSpec, plan: Plan, hardware: HardwareProfile) ->
 
 
 def predict_tokens_per_s(
-    model: ModelSpec, plan: Plan, hardware: HardwareProfile, seq_len: int, mean_seq_fraction: float
+    model: ModelSpec,
+    plan: Plan,
+    hardware: HardwareProfile,
+    seq_len: int,
+    mean_seq_fraction: float,
+    length_quantiles: tuple[float, ...] = (),
 ) -> float:
     """Throughput model (coefficients in catalog/memory_model.yaml, fitted in bench/README.md): the CPU launches
     a micro-batch's kernels while the GPU runs the previous ones, so a micro-batch takes the longer of the two;
-    then the optimizer step, DeepSpeed offload and gradient exchange once per step."""
+    then the optimizer step, DeepSpeed offload and gradient exchange once per step. length_quantiles: the data's
+    row-length profile (data.length_quantiles), where lfa generate read the data."""
     t = coefficients()["throughput"]
     fill = 0.98 if plan.packing else mean_seq_fraction
     # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or
     # the step's rows were sorted by length so that each micro-batch holds rows of similar length (token budgets
     # group them longest first too)
+    micro_batches = None
     if plan.packing or plan.padding_free or (plan.micro_batch_size == 1 and not plan.token_budget):
         padded_len = seq_len if plan.packing else seq_len * mean_seq_fraction  # padding-free: no padding at all
+    elif (plan.sorted_steps or plan.token_budget) and length_quantiles:
+        padded_len, micro_batches = sorted_step_padding(plan, length_quantiles, seq_len)
     elif plan.sorted_steps or plan.token_budget:
         padded_len = seq_len * (mean_seq_fraction + t["sorted_padding_residual"] * (1.0 - mean_seq_fraction))
     else:
         padded_len = seq_len
     rows = plan.micro_batch_size * plan.grad_accum  # one optimizer step's rows on one process
-    micro_batches = micro_batches_per_step(plan, padded_len)
+    micro_batches = micro_batches or micro_batches_per_step(plan, padded_len)
     real_tokens = rows * seq_len * fill / micro_batches  # per micro-batch, on average
     badam = plan.optimizer == Optimizer.BADAM
     flops = rows * padded_len / micro_batches * model.flops_per_token(seq_len, weight_gradients=not badam)
@@ -256,6 +265,32 @@ def datasheet_bytes_per_s(hbm_tbps: float) -> float:
 def streaming_bytes_per_s(hbm_tbps: float) -> float:
     """What memory-bound kernels reach of the datasheet bandwidth (measured on the H100, catalog/memory_model.yaml)."""
     return datasheet_bytes_per_s(hbm_tbps) * coefficients()["throughput"]["streaming_bandwidth_fraction"]
+
+
+def sorted_step_padding(plan: Plan, length_quantiles: tuple[float, ...], seq_len: int) -> tuple[float, float]:
+    """(padded tokens per row, micro-batches per step) of a padded plan whose steps are sorted or cut by a token
+    budget, by construction: the plugin's own grouping (token_budget.group_rows, or consecutive rows of
+    micro_batch_size, each as wide as its longest row rounded up to 8) run on a typical step, whose rows are the
+    data's expected order statistics (row i of n at quantile 1 - (i + 1/2) / n). The padding grows with the rows
+    per micro-batch (pseudo2norm-shaped data: 2.6% at mbs2 / 4,096 tokens, 18% at mbs16 / 49,152; 400 simulated
+    steps of the bench's data agree within a point: bench/README.md, session 39)."""
+    rows = plan.micro_batch_size * plan.grad_accum
+    steps = len(length_quantiles) - 1
+
+    def at(p: float) -> float:  # linear between the profile's points
+        x = min(max(p, 0.0), 1.0) * steps
+        i = min(int(x), steps - 1)
+        return length_quantiles[i] + (length_quantiles[i + 1] - length_quantiles[i]) * (x - i)
+
+    step = [max(1, round(seq_len * at(1.0 - (i + 0.5) / rows))) for i in range(rows)]
+    full, multiple = max(step), token_budget.PAD_MULTIPLE
+    if plan.token_budget:  # the plugin trims each cut micro-batch (to a multiple of 8 since session 36)
+        multiple = multiple if run_kernels.priced().padded_width_aligned else 1
+        groups = token_budget.group_rows(step, plan.token_budget, False, full, multiple)
+    else:  # LLaMA-Factory's collator pads each micro-batch to its longest row, a multiple of 8
+        groups = [list(range(k, min(rows, k + plan.micro_batch_size))) for k in range(0, rows, plan.micro_batch_size)]
+    padded = sum(token_budget.padded_width(max(step[i] for i in g), full, multiple) * len(g) for g in groups)
+    return padded / rows, float(len(groups))
 
 
 def micro_batches_per_step(plan: Plan, padded_len: float) -> float:

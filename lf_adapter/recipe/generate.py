@@ -339,6 +339,7 @@ def _recipe_meta(
         meta["predicted_disk_gib"] = round(result.chosen.disk_gib, 1)
     if profile:
         meta["dataset_rows"] = profile.rows
+        meta["length_quantiles"] = list(profile.length_quantiles)
     return meta
 
 
@@ -379,6 +380,7 @@ def generate(request: GenerateRequest) -> Generated:
         launcher=request.launcher,
         flash_attn_available=request.hardware == "detect" and versions.get("flash-attn") is not None,
         mean_seq_fraction=mean_fraction,
+        length_quantiles=profile.length_quantiles if profile else (),
         fixed=fixed,
         allow_optimizer_change=request.allow_optimizer_change,
     )

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import UserError
-from ..data import profile_dataset
+from ..data import profile_dataset, quantiles_from_meta
 from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
@@ -53,7 +53,7 @@ def summarize(
 ) -> ReviewSummary:
     d = recipe.data
     cutoff = int(d.get("cutoff_len", 2048))
-    fraction, tokens_basis = _mean_seq_fraction(recipe, workdir or recipe.folder, cutoff, plan)
+    fraction, quantiles, tokens_basis = _row_lengths(recipe, workdir or recipe.folder, cutoff, plan)
     summary = ReviewSummary(
         hardware=hardware.name,
         plan=plan.label(),
@@ -73,7 +73,7 @@ def summarize(
         summary.note = "model shape unknown (not local, not in lfa's catalog): no memory or speed estimate"
         return summary
     summary.model = f"{spec.name} ({spec.num_params / 1e9:.2f} B params)"
-    predicted = predict(spec, plan, hardware, cutoff, fraction)
+    predicted = predict(spec, plan, hardware, cutoff, fraction, quantiles)
     if hardware.has_gpu:
         summary.memory_gib = {k: round(v, 2) for k, v in predicted.memory.items.items()}
         summary.reserved_gib = round(predicted.memory.reserved_gib, 2)
@@ -95,13 +95,15 @@ def summarize(
     return summary
 
 
-def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -> tuple[float, str]:
-    """Mean row length / cutoff_len: 1 when packed; lfa's header (measured at generate); else the dataset when it
-    is readable here (characters / 3, an estimate); else the planner's assumption of 75%, said as such."""
+def _row_lengths(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -> tuple[float, tuple[float, ...], str]:
+    """Mean row length / cutoff_len and the row-length profile: 1 when packed; lfa's header (measured at generate);
+    else the dataset when it is readable here (characters / 3, an estimate); else the planner's assumption of 75%,
+    said as such."""
     if plan.packing:
-        return 1.0, "packed rows fill cutoff_len"
+        return 1.0, (), "packed rows fill cutoff_len"
     if recipe.meta.get("mean_seq_fraction") is not None:
-        return float(recipe.meta["mean_seq_fraction"]), "mean row length measured by lfa generate"
+        fraction = float(recipe.meta["mean_seq_fraction"])
+        return fraction, quantiles_from_meta(recipe.meta), "mean row length measured by lfa generate"
     entries = dataset_entries(recipe, workdir)
     try:
         path, columns = entries[0]
@@ -109,9 +111,11 @@ def _mean_seq_fraction(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -
             str(path), columns or {"prompt": "instruction", "query": "input", "response": "output"}, cutoff
         )
     except (IndexError, UserError):
-        return 0.75, "rows assumed at 75% of cutoff_len (dataset not readable here)"
-    return profile.mean_seq_fraction, (
-        f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} ({profile.counted_with})"
+        return 0.75, (), "rows assumed at 75% of cutoff_len (dataset not readable here)"
+    return (
+        profile.mean_seq_fraction,
+        profile.length_quantiles,
+        f"mean row {profile.mean_seq_fraction:.0%} of cutoff_len in {path.name} ({profile.counted_with})",
     )
 
 

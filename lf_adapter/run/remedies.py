@@ -48,6 +48,7 @@ class Context:
     model: ModelSpec | None = None  # the model's shape: OOMs are re-planned with the memory model
     seq_len: int = 2048  # cutoff_len
     mean_seq_fraction: float = 0.75
+    length_quantiles: tuple[float, ...] = ()  # the data's row-length profile, where lfa generate read the data
     liger_available: bool = False
     dataloader_workers: int | None = None  # the recipe's dataloader_num_workers (None: LLaMA-Factory's default)
 
@@ -353,6 +354,7 @@ def replan_after_oom(attempt: Attempt, failure: Failure, context: Context) -> Re
         launcher=failing.launcher,
         liger_available=context.liger_available or failing.liger,
         mean_seq_fraction=context.mean_seq_fraction,
+        length_quantiles=context.length_quantiles,
         fixed=fixed,
         activation_scale=scale,
         vram_gib=budget,
