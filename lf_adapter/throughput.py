@@ -81,7 +81,8 @@ def predict_tokens_per_s(
     else:
         padded_len = seq_len
     rows = plan.micro_batch_size * plan.grad_accum  # one optimizer step's rows on one process
-    micro_batches = micro_batches or micro_batches_per_step(plan, padded_len)
+    if micro_batches is None:
+        micro_batches = micro_batches_per_step(plan, padded_len)
     real_tokens = rows * seq_len * fill / micro_batches  # per micro-batch, on average
     badam = plan.optimizer == Optimizer.BADAM
     flops = rows * padded_len / micro_batches * model.flops_per_token(seq_len, weight_gradients=not badam)

@@ -237,3 +237,22 @@ def test_a_recipe_header_gives_the_row_length_profile_only_when_it_is_one():
     assert quantiles_from_meta({"length_quantiles": list(profile)}) == profile
     for hostile in ("0.5", [0.5] * 3, [0.5] * 32 + ["1"], [0.9] + [0.5] * 32, [0.0] * 33, [True] * 33, None):
         assert quantiles_from_meta({"length_quantiles": hostile}) == (), hostile
+
+
+def test_the_typical_step_cuts_as_many_padded_micro_batches_as_the_runs_did():
+    """Every zoo row of a padded plan whose steps the plugin cut by a token budget recorded its micro-batches per
+    step: the typical step built from the bench data's row lengths cuts within half a micro-batch of their mean (the
+    residual's count was 0.3-0.9 short at 3 to 26 per step)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from model_zoo import BENCH_LENGTH_QUANTILES
+
+    from lf_adapter.throughput import sorted_step_padding
+
+    rows = json.loads((REPO / "bench" / "results" / "model_zoo.json").read_text())
+    padded = [r for r in rows if r.get("micro_batches_per_step") and "/tb" in r["plan"] and "/padfree" not in r["plan"]]
+    assert len({r["plan"] for r in padded}) >= 5
+    for row in padded:
+        with run_kernels.measured_with(run_kernels.of_row(row)):
+            _, cut = sorted_step_padding(Plan.from_label(row["plan"]), BENCH_LENGTH_QUANTILES, 2048)
+        measured = row["micro_batches_per_step"]
+        assert abs(cut - sum(measured) / len(measured)) <= 0.5, (row["plan"], measured)

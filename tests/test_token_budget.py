@@ -155,7 +155,7 @@ def test_through_the_real_trainer_a_token_budget_trains_the_padded_steps(cpu_rec
     common = ("max_steps=3",)
     # both keep lfa's sorted-step row order: the same rows per step whichever way a step is cut (so a resume that
     # switches between them skips exactly the rows it trained)
-    padded = cpu_recipe(*common, name="padded", extra=("--logging-steps", "1"))
+    padded = cpu_recipe(*common, name="padded", extra=("--logging-steps", "1", "--pin", "micro_batch_size=8"))
     pins = ("token_budget=1024", "padding_free=true", "gradient_checkpointing=true", "checkpoint_layers=1")
     budget = cpu_recipe(
         *common, name="budget", extra=("--logging-steps", "1", *[x for p in pins for x in ("--pin", p)])

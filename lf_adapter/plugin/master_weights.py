@@ -166,9 +166,8 @@ def fused_weight_gradient_linear():
 
         @staticmethod
         def forward(ctx, x, weight, bias, master):
-            x = x.to(
-                weight.dtype
-            )  # as autocast would cast it (an fp32 norm's output); autograd casts its gradient back
+            # as autocast would cast it (an fp32 norm's output); autograd casts its gradient back
+            x = x.to(weight.dtype)
             ctx.save_for_backward(x, weight)
             ctx.master, ctx.has_bias = master, bias is not None
             return torch.nn.functional.linear(x, weight, bias)
