@@ -101,12 +101,17 @@ GENERATED = {
 }
 GENERATED["h200_compile"] = GENERATED["h200"]  # the same plan with each decoder layer under torch.compile
 GENERATED["capped_compile"] = GENERATED["capped"]
-GENERATED["h200_fused"] = GENERATED["h200"]  # the same plan, master gradients added in the GEMM (LFA_FUSED_WGRAD)
+GENERATED["h200_hook"] = GENERATED["h200"]  # the same plan, master gradients added by the hook (before session 40)
+GENERATED["capped_hook"] = GENERATED["capped"]
+GENERATED["h200_fused"] = GENERATED["h200"]  # session 40's first measurement, when the fused GEMM was asked for
 GENERATED["capped_fused"] = GENERATED["capped"]
+HOOK_ENV = {contract.FUSED_WEIGHT_GRADIENTS: "0"}
 FUSED_ENV = {contract.FUSED_WEIGHT_GRADIENTS: "1"}
 LABEL_ENV = {
     "h200_compile": {contract.COMPILE_LAYERS: "1"},
     "capped_compile": {contract.COMPILE_LAYERS: "1"},
+    "h200_hook": HOOK_ENV,
+    "capped_hook": HOOK_ENV,
     "h200_fused": FUSED_ENV,
     "capped_fused": FUSED_ENV,
 }
@@ -115,6 +120,8 @@ SAME_PLAN_AS = {  # label -> the label whose plan it pins
     "capped_master_same": "capped",
     "h200_compile": "h200",
     "capped_compile": "capped",
+    "h200_hook": "h200",
+    "capped_hook": "capped",
     "h200_fused": "h200",
     "capped_fused": "capped",
 }

@@ -51,9 +51,10 @@ def _qwen2_with_biases():
 @pytest.mark.parametrize("build", [_tiny_model, _qwen2_with_biases])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_layers_add_their_weight_gradients_into_the_masters_as_the_hook_does(build, dtype):
-    """The fused path (LFA_FUSED_WGRAD=1): each decoder linear's backward adds its weight gradient into the master's,
-    the output embedding left to the hook. On the CPU, which has no fp32-output GEMM, it adds the 16-bit product
-    as the hook does, so the masters' gradients are bit-equal over three micro-batches, with recompute too."""
+    """The fused path (the default; LFA_FUSED_WGRAD=0 keeps the hook): each decoder linear's backward adds its weight
+    gradient into the master's, the output embedding left to the hook. On the CPU, which has no fp32-output GEMM, it
+    adds the 16-bit product as the hook does, so the masters' gradients are bit-equal over three micro-batches, with
+    recompute too."""
     from lf_adapter.plugin import master_weights
 
     hooked, fused = build(), build()
@@ -174,7 +175,8 @@ def test_a_recipe_with_master_weights_trains_as_the_autocast_recipe_does(tmp_pat
     assert "export LFA_MASTER_WEIGHTS=1" in (master / "launch.sh").read_text()
     log = (master / "run" / _ledger(master / "run")["attempts"][0]["log"]).read_text()
     assert f"lfa: master weights: 21 {'bfloat16' if precision == 'bf16' else 'float16'} weights" in log
-    assert "each weight gradient added into its fp32 one by a hook" in log
+    # the fused default, on a CPU without an fp32-output GEMM: the 16-bit products, added by the layers themselves
+    assert "linear layers add their 16-bit weight gradients (no fp32-output GEMM on cpu)" in log
     autocast, result = _train(tmp_path, demo_assets, "autocast", precision=precision)
     assert result.returncode == 0, result.stdout + result.stderr
     for key, tolerance in (("loss", 1e-3), ("grad_norm", 1e-2)):

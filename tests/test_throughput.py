@@ -179,7 +179,7 @@ def test_fused_master_gradients_are_priced_at_what_wgrad_check_measured():
     """Session 38's bench/wgrad_check.py (the 6.7B's linears at 4,096 tokens, H200): adding the weight gradients into
     the fp32 masters inside the GEMM took 16.07 ms less per micro-batch than the hook path. The fused bytes per
     parameter were derived from that row (a check that the derivation and the linear weights counted agree, not a
-    validation); runs that did not fuse (the default, and every row before session 39) keep the hook's price."""
+    validation); runs that did not fuse (every row before session 39, LFA_FUSED_WGRAD=0) keep the hook's price."""
     import dataclasses
 
     from lf_adapter.throughput import master_accumulate_bytes, streaming_bytes_per_s
@@ -187,10 +187,12 @@ def test_fused_master_gradients_are_priced_at_what_wgrad_check_measured():
     measured = json.loads(next((REPO / "bench/results/h200_session38/call1").glob("wgrad_check_*.json")).read_text())
     saved_ms = measured["hook"]["ms_per_micro_batch"] - measured["fused"]["ms_per_micro_batch"]
     model = load_model_spec(measured["model"])
-    hook_bytes = master_accumulate_bytes(model)
+    fused_bytes = master_accumulate_bytes(model)
+    with run_kernels.measured_with(dataclasses.replace(run_kernels.KernelChoices(), fused_weight_gradients=False)):
+        hook_bytes = master_accumulate_bytes(model)
     assert hook_bytes == 10.0 * model.num_params
-    with run_kernels.measured_with(dataclasses.replace(run_kernels.KernelChoices(), fused_weight_gradients=True)):
-        fused_bytes = master_accumulate_bytes(model)
+    with run_kernels.measured_with(run_kernels.of_row({})):  # a row from before the record: the hook
+        assert master_accumulate_bytes(model) == hook_bytes
     priced_ms = (hook_bytes - fused_bytes) / streaming_bytes_per_s(4.8) * 1e3
     assert priced_ms == pytest.approx(saved_ms, rel=0.05)
 

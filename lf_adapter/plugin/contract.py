@@ -9,8 +9,7 @@ SORTED_STEPS = "LFA_SORTED_STEPS"  # "1": micro-batches sorted by length inside 
 TOKEN_BUDGET = "LFA_TOKEN_BUDGET"  # N: each optimizer step's rows cut into micro-batches of at most N tokens
 CHECKPOINT_LAYERS = "LFA_CHECKPOINT_LAYERS"  # k: only the first k decoder layers recompute their forward
 MASTER_WEIGHTS = "LFA_MASTER_WEIGHTS"  # "1": 16-bit weights in the model, fp32 masters in the optimizer
-# "1": master weights' linear layers add their weight gradients into the fp32 ones in the GEMM (an experiment until
-# measured in training, session 39: never planned; priced where a bench row ran it)
+# "0": master weights' linear layers leave their weight gradients to the hook's add (before session 40), to compare
 FUSED_WEIGHT_GRADIENTS = "LFA_FUSED_WGRAD"
 GC_FREEZE = "LFA_GC_FREEZE"  # "1": objects alive when training starts are left out of garbage collections
 # set by lfa train per attempt

@@ -4,9 +4,10 @@ trains under autocast, which casts every weight to 16 bits again in each micro-b
 keeps the residual stream in fp32. Here the model holds 16-bit weights; each fp32 weight becomes the optimizer's
 master, each micro-batch's 16-bit gradient is added into the master's fp32 gradient as soon as autograd has it (then
 freed), unscaling (fp16), clipping and AdamW run on the masters, and the step copies them back into the model.
-The plain linear layers can go further (LFA_FUSED_WGRAD=1, an experiment): their weight-gradient GEMM adds into the fp32
-gradient itself (addmm with an fp32 output, Megatron's gradient-accumulation fusion), with no 16-bit gradient and
-no separate pass; where this torch lacks that GEMM (the CPU) they add its 16-bit product, as the hook does.
+The plain linear layers go further (LFA_FUSED_WGRAD unset or "1"; "0" leaves them to the hook): their
+weight-gradient GEMM adds into the fp32 gradient itself (addmm with an fp32 output, Megatron's gradient-accumulation
+fusion), with no 16-bit gradient and no separate pass; where this torch lacks that GEMM (the CPU) they add its
+16-bit product, as the hook does.
 LLaMA-Factory's pure_bf16 is not this: it has no fp32 master. Checkpoints and the final model are saved from the
 masters (fp32, as without this), and a resume loads them back."""
 
@@ -212,7 +213,7 @@ def set_up(trainer) -> None:
 
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16
     # not under torch.compile (a bench experiment): its graphs would have to carry the in-place gradient add
-    fused = os.environ.get(contract.FUSED_WEIGHT_GRADIENTS) == "1" and not os.environ.get(contract.COMPILE_LAYERS)
+    fused = os.environ.get(contract.FUSED_WEIGHT_GRADIENTS) != "0" and not os.environ.get(contract.COMPILE_LAYERS)
     trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype, fused_weight_gradients=fused)
     model_zero_grad = trainer.model.zero_grad
 

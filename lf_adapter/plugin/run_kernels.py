@@ -16,12 +16,12 @@ class KernelChoices:
     fused_gate_up: bool = True  # liger's Phi-3 MLP through its fused gate-up SwiGLU (plugin/fused_mlp.py)
     attention_row_view: bool = True  # lfa's varlen attention squeezes its one row: its gradients stay views
     padded_width_aligned: bool = True  # padded token-budget micro-batches as wide as a multiple of 8 (token_budget)
-    fused_weight_gradients: bool = False  # master weights: linear layers' weight-gradient GEMMs add into the fp32 ones
+    fused_weight_gradients: bool = True  # master weights: linear layers' weight-gradient GEMMs add into the fp32 ones
 
 
 # what runs used before each choice existed: liger's own chunks and its chunked Phi-3 MLP (before session 28), the
-# attention's row taken by indexing (before session 30), padded micro-batches at their longest row (before session 36);
-# master weights' fused gradients are an experiment, off unless asked for (session 39)
+# attention's row taken by indexing (before session 30), padded micro-batches at their longest row (before session 36),
+# master weights' gradients added by a hook (before session 40)
 BEFORE = KernelChoices(
     loss_chunk_min_rows=0,
     fused_gate_up=False,
@@ -67,7 +67,7 @@ def from_env(env) -> KernelChoices:
         fused_gate_up=env.get(KNOB["fused_gate_up"]) != "0",
         attention_row_view=env.get(KNOB["attention_row_view"]) != "0",
         padded_width_aligned=env.get(KNOB["padded_width_aligned"]) != "0",
-        fused_weight_gradients=env.get(KNOB["fused_weight_gradients"]) == "1",
+        fused_weight_gradients=env.get(KNOB["fused_weight_gradients"]) != "0",
     )
 
 

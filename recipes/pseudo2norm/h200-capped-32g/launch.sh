@@ -14,9 +14,9 @@ export LFA_GC_FREEZE=${LFA_GC_FREEZE:-1}
 # lfa plugin: each micro-batch's rows flattened into one sequence, attention kept per row (no compute on padding, exact)
 export LFA_PADDING_FREE=1
 # lfa plugin: each optimizer step's rows cut into micro-batches of at most this many tokens (same rows per step)
-export LFA_TOKEN_BUDGET=32768
+export LFA_TOKEN_BUDGET=16384
 # lfa plugin: only the first layers recompute their forward; the rest keep their activations
-export LFA_CHECKPOINT_LAYERS=23
+export LFA_CHECKPOINT_LAYERS=20
 # lfa plugin: 16-bit weights in the model, fp32 master weights and gradients in the optimizer (no per-micro-batch weight casts)
 export LFA_MASTER_WEIGHTS=1
 # lfa plugin: micro-batches sorted by length inside each optimizer step (same rows per step, less padding)
