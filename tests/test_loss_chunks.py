@@ -58,6 +58,8 @@ def test_bench_rows_record_the_kernels_they_ran():
     assert run_kernels.from_env({}) == run_kernels.KernelChoices()
     assert not run_kernels.from_env({contract.FUSED_GATE_UP: "0"}).fused_gate_up
     assert not run_kernels.from_env({contract.ATTENTION_ROW_VIEW: "0"}).attention_row_view
+    assert run_kernels.from_env({contract.FUSED_WEIGHT_GRADIENTS: "1"}).fused_weight_gradients
+    assert not run_kernels.from_env({contract.FUSED_WEIGHT_GRADIENTS: "0"}).fused_weight_gradients
 
 
 @pytest.mark.parametrize("value, rows", [(None, 2048), ("", 2048), ("0", 0), ("4096", 4096), ("x", 2048)])

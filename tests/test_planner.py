@@ -21,7 +21,8 @@ def test_capped_h200_plan_is_the_one_the_seed_benchmark_measured():
     # one GPU of a checked family (8%): padding-free, each step cut into micro-batches of 16,384 tokens, master
     # weights, 20 of 24 layers recomputed (session 40: the fused master gradients make each micro-batch cheaper, and
     # the mbs4/tb12288 plan predicted fastest puts mbs16/gc23/tb32768, session 31-39's default, 3 tok/s outside the
-    # near tie; at 12% headroom it was mbs8/gc21/tb16384, which peaked 28.04 GiB against 27.66 predicted, session 26)
+    # near tie; at 12% headroom it was mbs8/gc21/tb16384, which peaked 28.04 GiB against 27.66 predicted, session 26;
+    # this plan peaked 29.04 GiB against 28.66 on an H100, session 40)
     spec, capped = load_model_spec("LLM4Binary/llm4decompile-1.3b-v2"), load_profile("h200-capped-32g")
     headroom = planning_margin(spec, capped, use_measured=False).headroom
     options = PlanOptions(fixed={"precision": "fp16"}, mean_seq_fraction=1475 / 2048, headroom=headroom)

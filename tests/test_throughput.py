@@ -179,7 +179,7 @@ def test_fused_master_gradients_are_priced_at_what_wgrad_check_measured():
     """Session 38's bench/wgrad_check.py (the 6.7B's linears at 4,096 tokens, H200): adding the weight gradients into
     the fp32 masters inside the GEMM took 16.07 ms less per micro-batch than the hook path. The fused bytes per
     parameter were derived from that row (a check that the derivation and the linear weights counted agree, not a
-    validation); runs that did not fuse (every row before session 39, LFA_FUSED_WGRAD=0) keep the hook's price."""
+    validation); runs that did not fuse (every row before session 40, LFA_FUSED_WGRAD=0) keep the hook's price."""
     import dataclasses
 
     from lf_adapter.throughput import master_accumulate_bytes, streaming_bytes_per_s

@@ -18,7 +18,7 @@ import functools
 import os
 import types
 
-from . import contract
+from . import contract, run_kernels
 
 
 def why_not(trainer) -> str | None:
@@ -213,7 +213,7 @@ def set_up(trainer) -> None:
 
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16
     # not under torch.compile (a bench experiment): its graphs would have to carry the in-place gradient add
-    fused = os.environ.get(contract.FUSED_WEIGHT_GRADIENTS) != "0" and not os.environ.get(contract.COMPILE_LAYERS)
+    fused = run_kernels.from_env(os.environ).fused_weight_gradients and not run_kernels.compile_backend(os.environ)
     trainer._lfa_master_weights = weights = MasterWeights(trainer.model, dtype, fused_weight_gradients=fused)
     model_zero_grad = trainer.model.zero_grad
 
