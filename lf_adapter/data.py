@@ -9,6 +9,7 @@ from pathlib import Path
 from . import UserError
 
 CHARS_PER_TOKEN = 3.0  # code through a BPE tokenizer; only used to guess padding when no tokenizer is loaded
+ASSUMED_MEAN_SEQ_FRACTION = 0.75  # mean row / cutoff_len where the data was not read (said so where it is used)
 QUANTILE_STEPS = 32  # the row-length profile: min(length, cutoff) / cutoff at every 1/32 of the rows, shortest first
 
 
@@ -178,6 +179,12 @@ def length_quantiles(clipped: list[int], cutoff_len: int) -> tuple[float, ...]:
     ordered = sorted(clipped)
     last = len(ordered) - 1
     return tuple(round(ordered[round(last * k / QUANTILE_STEPS)] / cutoff_len, 4) for k in range(QUANTILE_STEPS + 1))
+
+
+def row_lengths_from_meta(meta: dict) -> tuple[float, tuple[float, ...]]:
+    """The mean row over cutoff_len and the row-length quantiles an lfa-meta header records (lfa generate measured
+    them), else the planner's assumption and no profile."""
+    return float(meta.get("mean_seq_fraction", ASSUMED_MEAN_SEQ_FRACTION)), quantiles_from_meta(meta)
 
 
 def quantiles_from_meta(meta: dict) -> tuple[float, ...]:

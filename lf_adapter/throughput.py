@@ -402,7 +402,7 @@ def speed_basis(hardware: HardwareProfile, plan: Plan) -> str:
         measured = (
             "the master-weights default plans of 2026-12-07 measured 2.0% and 8.9% (1.3B, a cold and a warm Triton "
             "cache) and 2.2% (6.7B) above their prediction, the 1.3B at a 31.73 GiB cap from 1.7% below to 7.5% "
-            "above; six other families' defaults from 10.7% below (Gemma-2) to 7.3% above (StarCoder2)"
+            "above; six other families' defaults from 10.3% below (Gemma-2, session 30) to 7.3% above (StarCoder2)"
             if plan.master_weights
             else "the default plans of 2026-12-04 within -7.8% (1.3B at a 31.73 GiB cap), -2.7% (1.3B) and -1.1% "
             "(6.7B width), the 350M width +0.2%"

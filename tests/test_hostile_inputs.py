@@ -449,3 +449,42 @@ def test_scripts_quote_rendezvous_values_even_past_validation(tmp_path, stubs, m
         if launcher == "torchrun":
             for script in ("launch.sh", "launch-node-1.sh"):
                 assert "export MASTER_ADDR=${MASTER_ADDR:-'x$(touch" in (out / script).read_text(), script
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mean_seq_fraction", "abc"),
+        ("mean_seq_fraction", -3),
+        ("dataset_rows", "many"),
+        ("token_budget", "4096; touch x"),
+        ("checkpoint_layers", [1]),
+        ("launcher", "bash"),
+        ("hardware", [1]),
+    ],
+)
+def test_a_hostile_header_value_is_one_message_in_every_command(field, value, cpu_recipe, tmp_path):
+    """The lfa-meta header is data from a file (a hand edit, a PR): each command that reads it names the bad value
+    once and exits non-zero; review reports it as the recipe's finding and still reviews the next recipe."""
+    clean = cpu_recipe("max_steps=2")
+    meta_line = next(line for line in clean.read_text().splitlines() if line.startswith("# lfa-meta: "))
+    meta = json.loads(meta_line[len("# lfa-meta: ") :])
+    meta[field] = value
+    tampered = clean.with_name("tampered.yaml")
+    tampered.write_text(clean.read_text().replace(meta_line, "# lfa-meta: " + json.dumps(meta)))
+    for args in (
+        ("estimate", tampered),
+        ("diff", clean, tampered),
+        ("train", tampered, "--run-dir", tmp_path / "run"),
+        ("doctor", REPO / "tests" / "fixtures" / "failures" / "hub_network.log", "--recipe", tampered),
+    ):
+        code, out = invoke(*args)
+        assert code == 2 and f"header {field} is" in out and out.count("lfa: error") == 1, (args, out)
+    assert not (tmp_path / "run").exists()
+    code, out = invoke("review", tampered, clean, "--format", "json")
+    reviews = json.loads(out)
+    assert code == 1 and [r["path"] for r in reviews] == [str(tampered), str(clean)]
+    assert [(f["rule"], f"header {field} is" in f["message"]) for f in reviews[0]["findings"]] == [
+        ("unreadable_recipe", True)
+    ]
+    assert reviews[1]["summary"] and not any(f["severity"] == "error" for f in reviews[1]["findings"])

@@ -250,9 +250,19 @@ def test_review_against_the_base_branch_and_lfa_diff(clean_recipe):
     assert "no semantic change" in same.stdout
 
 
-def test_review_of_a_missing_recipe_is_one_error(tmp_path):
-    result = run_lfa("review", tmp_path / "nope.yaml")
-    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+def test_a_missing_recipe_is_one_error_and_the_others_are_still_reviewed(clean_recipe, tmp_path):
+    code, reviews = _review(tmp_path / "nope.yaml", clean_recipe, tmp_path / "gone.yaml")
+    assert code == 1 and [r["path"] for r in reviews] == [
+        str(tmp_path / "nope.yaml"),
+        str(clean_recipe),
+        str(tmp_path / "gone.yaml"),
+    ]
+    for missing in (reviews[0], reviews[2]):
+        assert [(f["rule"], f["severity"]) for f in missing["findings"]] == [("unreadable_recipe", "error")]
+        assert "does not exist" in missing["findings"][0]["message"]
+    assert reviews[1]["summary"] and not reviews[1]["findings"]
+    wrong_flag = run_lfa("review", clean_recipe, "--hardware", "nope")
+    assert wrong_flag.returncode == 2 and wrong_flag.stderr.count("no hardware profile 'nope'") == 1
 
 
 def test_missing_deepspeed_file_is_one_finding_and_every_other_rule_still_runs(clean_recipe):

@@ -42,9 +42,15 @@ def review(recipes, hardware, model, base_ref, fmt, workdir):
 
     Example: lfa review recipes/pseudo2norm/*/train.yaml --base origin/main --format markdown > review.md
     """
+    from ..hardware import load_profile
+    from ..model_spec import load_model_spec
     from ..review.core import review_recipe
     from ..review.formats import format_reviews
 
+    if hardware:  # a wrong flag is bad input once, not a finding on every recipe
+        load_profile(hardware)
+    if model:
+        load_model_spec(model)
     reviews = [
         review_recipe(path, hardware=hardware, model=model, base_ref=base_ref, workdir=workdir) for path in recipes
     ]

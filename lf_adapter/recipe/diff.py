@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import UserError
+from ..hardware import profile_from_dict
 from ..strategy import Offload
 from .keys import OPTIMIZER_KEYS, PLUGIN_SETTINGS, optimizer_from_keys, precision_from_keys
 from .read import Recipe, deepspeed_setup
@@ -81,9 +82,7 @@ class DiffEntry:
 def semantic_view(recipe: Recipe) -> dict:
     """The recipe's keys plus derived values a reviewer cares about: precision, effective batch, DeepSpeed stage."""
     data = dict(recipe.data)
-    world = int((recipe.meta.get("hardware") or {}).get("gpus_per_node", 1) or 1) * int(
-        (recipe.meta.get("hardware") or {}).get("nodes", 1) or 1
-    )
+    world = profile_from_dict(recipe.meta["hardware"], str(recipe.path)).world_size if "hardware" in recipe.meta else 1
     data["precision"] = precision_from_keys(data)
     data["optimizer"] = str(optimizer_from_keys(data))
     warmup = data.get("warmup_steps")
@@ -91,9 +90,9 @@ def semantic_view(recipe: Recipe) -> dict:
         data["warmup_ratio"] = data.pop("warmup_steps")
     data.pop("bf16", None), data.pop("fp16", None)
     data["world_size"] = world
-    data["effective_batch_size"] = (
-        int(data.get("per_device_train_batch_size", 1)) * int(data.get("gradient_accumulation_steps", 1)) * world
-    )
+    batch = [data.get("per_device_train_batch_size", 1), data.get("gradient_accumulation_steps", 1)]
+    counts = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in batch)
+    data["effective_batch_size"] = batch[0] * batch[1] * world if counts else "not whole numbers"
     if data.get("deepspeed"):
         try:  # the base ref's JSON may be missing: the diff still shows the rest
             stage, offload = deepspeed_setup(recipe)

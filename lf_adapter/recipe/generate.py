@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import UserError
-from ..data import DatasetProfile, profile_dataset
+from ..data import ASSUMED_MEAN_SEQ_FRACTION, DatasetProfile, profile_dataset
 from ..hardware import DiskSpec, HardwareProfile, installed_versions, load_profile, nearest_existing
 from ..measured import planning_margin
 from ..model_spec import ModelSpec, load_model_spec
@@ -313,7 +313,7 @@ def _dataset(
         profile = profile_dataset(request.dataset, task.dataset.columns, cutoff, shape_model)
         return relative_to_dir(request.dataset, request.out_dir), profile.mean_seq_fraction, profile
     if task.dataset.file_name:
-        return f"data/{task.dataset.file_name}", 0.75, None
+        return f"data/{task.dataset.file_name}", ASSUMED_MEAN_SEQ_FRACTION, None
     raise UserError(f"task {task.name} needs --dataset FILE (alpaca-style jsonl)")
 
 

@@ -15,7 +15,7 @@ from ..model_spec import ModelSpec, load_model_spec
 from ..plan import Plan
 from ..quoting import comment_text, has_surrogates, key_problem
 from ..strategy import OFFLOADS, SHARDING_OF_STAGE, Offload
-from .keys import plan_from_keys
+from .keys import PLUGIN_SETTINGS, plan_from_keys
 
 
 @dataclass
@@ -121,7 +121,51 @@ def load_recipe(path: str | Path) -> Recipe:
                 meta = json.loads(line[len("# lfa-meta: ") :])
             except json.JSONDecodeError:
                 raise UserError(f"{path}: the '# lfa-meta:' header is not valid JSON") from None
+    problems = header_problems(meta)
+    if problems:
+        raise UserError(f"{path}: the '# lfa-meta:' header " + "; ".join(problems))
     return Recipe(path=path, data=data, meta=meta, text=text)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# what each header key lfa reads back must hold (the header is data from a file: a hand edit or a PR may change it)
+HEADER_VALUES: dict[str, tuple[str, object]] = {
+    "mean_seq_fraction": ("a number in (0, 1]", lambda v: _is_number(v) and 0.0 < v <= 1.0),
+    "dataset_rows": ("a row count", _is_count),
+    "effective_batch_size": ("a row count", _is_count),
+    "hardware": ("a hardware profile (a JSON object)", lambda v: isinstance(v, dict)),
+    "model": ("a model name", lambda v: isinstance(v, str)),
+    "task": ("a task name", lambda v: isinstance(v, str)),
+    "alloc_conf": ("a PYTORCH_CUDA_ALLOC_CONF string or null", lambda v: v is None or isinstance(v, str)),
+    "launcher": ("torchrun or ray", lambda v: v in ("torchrun", "ray")),
+    **{
+        setting.field: (
+            "true or false" if isinstance(setting.default, bool) else "a whole number",
+            (lambda v: v is None or isinstance(v, bool))
+            if isinstance(setting.default, bool)
+            else (lambda v: v is None or v is False or _is_count(v)),
+        )
+        for setting in PLUGIN_SETTINGS
+    },
+}
+
+
+def header_problems(meta) -> list[str]:
+    """Pure: what is wrong with an lfa-meta header's values lfa reads back, one line each (empty: none)."""
+    if not isinstance(meta, dict):
+        return ["is not a JSON object"]
+    return [
+        f"{key} is {comment_text(json.dumps(meta[key]))[:60]}: expected {expected}"
+        for key, (expected, valid) in HEADER_VALUES.items()
+        if key in meta and not valid(meta[key])
+    ]
 
 
 def recipe_hardware(recipe: Recipe, override: str | None = None) -> HardwareProfile:

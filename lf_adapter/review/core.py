@@ -48,7 +48,10 @@ def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
     with tempfile.TemporaryDirectory() as scratch:  # the base's DeepSpeed JSON is read from the same ref
         base_file = Path(scratch) / path.name
         base_file.write_text(shown.stdout)
-        recipe = load_recipe(base_file)
+        try:
+            recipe = load_recipe(base_file)
+        except UserError as exc:  # the base's own header or YAML: no diff, said so, the review goes on
+            return None, f"the recipe at {base_ref} could not be read: {str(exc).removeprefix(str(base_file) + ': ')}"
         ds = recipe.data.get("deepspeed")
         if ds:
             ds_rel = (Path(rel).parent / str(ds)).as_posix()
@@ -56,7 +59,10 @@ def _base_view(path: Path, base_ref: str) -> tuple[dict | None, str]:
             if ds_text.returncode == 0:
                 (Path(scratch) / str(ds)).parent.mkdir(parents=True, exist_ok=True)
                 (Path(scratch) / str(ds)).write_text(ds_text.stdout)
-        return semantic_view(recipe), base_ref
+        try:
+            return semantic_view(recipe), base_ref
+        except UserError as exc:
+            return None, f"the recipe at {base_ref} could not be read: {exc}"
 
 
 def review_recipe(
@@ -66,10 +72,14 @@ def review_recipe(
     base_ref: str | None = None,
     workdir: str | Path | None = None,
 ) -> RecipeReview:
-    """Every rule runs on any recipe lfa can parse: a missing or unreadable file is one finding, never an abort."""
-    recipe = load_recipe(path)
+    """Every rule runs on any recipe lfa can parse: a missing or unreadable file is one finding, never an abort (the
+    other recipes of the same review are still reviewed)."""
+    try:
+        recipe = load_recipe(path)
+        hw = recipe_hardware(recipe, hardware)
+    except UserError as exc:
+        return RecipeReview(path=str(path), findings=[Finding("error", "unreadable_recipe", str(exc), str(path))])
     lines = key_lines(recipe.text)
-    hw = recipe_hardware(recipe, hardware)
     where = recipe_workdir(recipe, workdir)
     unreadable_ds = None
     try:

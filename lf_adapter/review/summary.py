@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import UserError
-from ..data import profile_dataset, quantiles_from_meta
+from ..data import ASSUMED_MEAN_SEQ_FRACTION, profile_dataset, row_lengths_from_meta
 from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
@@ -101,9 +101,8 @@ def _row_lengths(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -> tupl
     said as such."""
     if plan.packing:
         return 1.0, (), "packed rows fill cutoff_len"
-    if recipe.meta.get("mean_seq_fraction") is not None:
-        fraction = float(recipe.meta["mean_seq_fraction"])
-        return fraction, quantiles_from_meta(recipe.meta), "mean row length measured by lfa generate"
+    if "mean_seq_fraction" in recipe.meta:
+        return *row_lengths_from_meta(recipe.meta), "mean row length measured by lfa generate"
     entries = dataset_entries(recipe, workdir)
     try:
         path, columns = entries[0]
@@ -111,7 +110,11 @@ def _row_lengths(recipe: Recipe, workdir: Path, cutoff: int, plan: Plan) -> tupl
             str(path), columns or {"prompt": "instruction", "query": "input", "response": "output"}, cutoff
         )
     except (IndexError, UserError):
-        return 0.75, (), "rows assumed at 75% of cutoff_len (dataset not readable here)"
+        return (
+            ASSUMED_MEAN_SEQ_FRACTION,
+            (),
+            f"rows assumed at {ASSUMED_MEAN_SEQ_FRACTION:.0%} of cutoff_len (dataset not readable here)",
+        )
     return (
         profile.mean_seq_fraction,
         profile.length_quantiles,

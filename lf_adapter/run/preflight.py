@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import UserError
-from ..data import dataset_problems, quantiles_from_meta
+from ..data import dataset_problems, row_lengths_from_meta
 from ..guard import claim_output_dir
 from ..hardware import HardwareProfile, installed_versions, nearest_existing
 from ..memory import checkpoint_gib, disk_gib, disk_limit_gib
@@ -172,6 +172,7 @@ def recovery_context(
     lr = recipe.data.get("learning_rate")
     kwargs = recipe.data.get("lr_scheduler_kwargs")
     model_dir = recipe.folder / str(recipe.data.get("model_name_or_path", ""))
+    mean_fraction, quantiles = row_lengths_from_meta(recipe.meta)
     return Context(
         hardware=hardware,
         allow_hparam_change=allow_hparam_change,
@@ -181,8 +182,8 @@ def recovery_context(
         scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
         model=load_model_spec(emulated) if emulated else trained,
         seq_len=int(recipe.data.get("cutoff_len") or 2048),
-        mean_seq_fraction=float(recipe.meta.get("mean_seq_fraction", 0.75)),
-        length_quantiles=quantiles_from_meta(recipe.meta),
+        mean_seq_fraction=mean_fraction,
+        length_quantiles=quantiles,
         liger_available=liger_available,
         dataloader_workers=int(recipe.data["dataloader_num_workers"])
         if str(recipe.data.get("dataloader_num_workers", "")).isdigit()
@@ -195,8 +196,7 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
     if model is None:
         return {}
     seq_len = int(recipe.data.get("cutoff_len") or 2048)
-    fraction = float(recipe.meta.get("mean_seq_fraction", 0.75))
-    c = predict(model, plan, hardware, seq_len, fraction, quantiles_from_meta(recipe.meta))
+    c = predict(model, plan, hardware, seq_len, *row_lengths_from_meta(recipe.meta))
     # on a CPU the speed "model" is a rough FLOP rate, and far below the sizes it was checked on a step is bound by
     # kernel launches: no prediction to hold a measurement against
     return {

@@ -8,6 +8,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 
+from ..data import ASSUMED_MEAN_SEQ_FRACTION
 from ..hardware import HardwareProfile
 from ..memory import estimate, fit_activation_scale
 from ..model_spec import ModelSpec
@@ -47,7 +48,7 @@ class Context:
     scheduler_kwargs: dict | None = None  # the recipe's lr_scheduler_kwargs
     model: ModelSpec | None = None  # the model's shape: OOMs are re-planned with the memory model
     seq_len: int = 2048  # cutoff_len
-    mean_seq_fraction: float = 0.75
+    mean_seq_fraction: float = ASSUMED_MEAN_SEQ_FRACTION
     length_quantiles: tuple[float, ...] = ()  # the data's row-length profile, where lfa generate read the data
     liger_available: bool = False
     dataloader_workers: int | None = None  # the recipe's dataloader_num_workers (None: LLaMA-Factory's default)
