@@ -51,8 +51,8 @@ class DatasetProfile:
         return "\n".join(lines)
 
 
-def _read_rows(file: Path, columns: dict) -> list[dict]:
-    needed = [columns[k] for k in ("query", "response") if k in columns]
+def _read_rows(file: Path) -> list[dict]:
+    """The rows of a file dataset_problems found nothing wrong with."""
     rows = []
     try:
         with file.open(encoding="utf-8") as fh:
@@ -65,8 +65,8 @@ def _read_rows(file: Path, columns: dict) -> list[dict]:
                     raise UserError(
                         f"{file}:{number}: not a JSON object ({exc.msg}); expected one alpaca row per line"
                     ) from None
-                if not isinstance(row, dict) or any(col not in row for col in needed):
-                    raise UserError(f"{file}:{number}: row lacks the columns {needed} that dataset_info maps")
+                if not isinstance(row, dict):
+                    raise UserError(f"{file}:{number}: a JSON {type(row).__name__}, not an object")
                 rows.append(row)
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read dataset {file}: {exc}") from None
@@ -81,7 +81,7 @@ def dataset_problems(file: Path, columns: dict, limit: int = 10) -> list[str]:
     or response column, an empty file."""
     response = columns.get("response", "output")
     prompt_parts = [columns.get("prompt", "instruction"), columns.get("query", "input")]
-    problems, rows = [], 0
+    problems, rows, columns_seen = [], 0, set()
     try:
         with file.open("rb") as fh:
             for number, raw in enumerate(fh, 1):
@@ -103,6 +103,7 @@ def dataset_problems(file: Path, columns: dict, limit: int = 10) -> list[str]:
                 if not isinstance(row, dict):
                     problems.append(f"{file}:{number}: a JSON {type(row).__name__}, not an object")
                     continue
+                columns_seen.update(row)
                 if not isinstance(row.get(response), str) or not row[response]:
                     problems.append(f"{file}:{number}: no '{response}' (LLaMA-Factory would drop the row)")
                     continue
@@ -117,6 +118,13 @@ def dataset_problems(file: Path, columns: dict, limit: int = 10) -> list[str]:
         return [f"cannot read dataset {file}: {exc.strerror or exc}"]
     if rows == 0 and not problems:
         problems.append(f"{file}: no rows")
+    if rows and len(problems) < limit:  # a column in no row is missing from the whole table LLaMA-Factory loads
+        problems += [
+            f"{file}: no row has the column '{name}' that the dataset's columns name (LLaMA-Factory stops with a "
+            "KeyError)"
+            for name in (*prompt_parts, response)
+            if name not in columns_seen
+        ]
     return problems
 
 
@@ -143,7 +151,10 @@ def profile_dataset(path: str, columns: dict, cutoff_len: int, model: str | None
     file = Path(path)
     if not file.is_file():
         raise UserError(f"dataset {path} does not exist or is not a file")
-    rows = _read_rows(file, columns)
+    problems = dataset_problems(file, columns)
+    if problems:
+        raise UserError(f"dataset {path} would fail or lose rows in LLaMA-Factory:\n  " + "\n  ".join(problems))
+    rows = _read_rows(file)
     text = lambda row, keys: "".join(str(row.get(columns[k], "")) for k in keys if k in columns)  # noqa: E731
     chars = [len(text(row, ("prompt", "query", "response"))) for row in rows]
     tokenizer = local_tokenizer(model)

@@ -176,9 +176,22 @@ def test_bad_input_is_one_clear_error_exit_2(tmp_path, args, message):
 
 def test_unreadable_dataset_and_bad_profile_file(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"instruction": "", "input": "x", "output": "y"}\nnot json\n')
-    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--dataset", bad, "-o", tmp_path / "o")
-    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
+    bad.write_text('{"instruction": "", "input": "x", "output": "y"}\nnot json\n[1]\n{"input": "x"}\n')
+    for args in (
+        ("generate", "--task", "pseudo2norm", "--hardware", "cpu", "--dataset", bad, "-o", tmp_path / "o"),
+        ("data", bad),
+    ):
+        result = run_lfa(*args)  # every bad line named, not only the first
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert all(f"bad.jsonl:{n}: " in result.stderr for n in (2, 3, 4)), result.stderr
+    assert not (tmp_path / "o").exists()
+    # LLaMA-Factory's alpaca converter reads example["input"]: a column in no row stops it with a KeyError
+    no_input = tmp_path / "no_input.jsonl"
+    no_input.write_text('{"instruction": "int a1;", "output": "int var1;"}\n' * 3)
+    result = run_lfa("data", no_input)
+    assert result.returncode == 2 and "no row has the column 'input'" in result.stderr
+    no_input.write_text(no_input.read_text() + '{"instruction": "int a1;", "input": "", "output": "int var1;"}\n')
+    assert run_lfa("data", no_input).returncode == 0
     profile = tmp_path / "box.yaml"
     profile.write_text("gpu: {name: X, vram_gib: 10, compute_capability: seven}\n")
     result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", profile, "-o", tmp_path / "o2")
