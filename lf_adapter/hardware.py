@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 import os
 import re
 import shutil
@@ -133,7 +134,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
         ),
         f"hardware profile {source}",
     )
-    raise_problems(rendezvous_problems(data), f"hardware profile {source}")
+    raise_problems(rendezvous_problems(data) + figure_problems(data), f"hardware profile {source}")
     try:
         gpu_spec = GPUSpec(**gpu) if gpu else None
         disk_spec = _disk_from_dict(disk) if disk else None
@@ -157,6 +158,45 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise UserError(f"hardware profile {source} is not valid: {exc!r}") from None
+
+
+def _number_problem(value, at_least: float, above: bool = False) -> str | None:
+    if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9]+[eE][-+]?[0-9]+", value.strip()):
+        return f"is the text '{value}': YAML reads an exponent without a dot as text (write {float(value):.1e})"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"is {comment_text(repr(value))[:40]}: expected a number"
+    if value < at_least or (above and value == at_least):
+        return f"is {value:g}: expected {'more than' if above else 'at least'} {at_least:g}"
+    return None
+
+
+# the figures a profile file gives, each with its least value: (where, key, least, strictly above)
+PROFILE_FIGURES = (
+    ("", "nodes", 1, False),
+    ("", "gpus_per_node", 0, False),
+    ("", "cpu_cores", 1, False),
+    ("", "ram_gib", 0, False),
+    ("", "processes_per_node", 1, False),
+    ("", "internode_gbs", 0, False),
+    ("gpu.", "vram_gib", 0, True),
+    ("gpu.", "peak_tflops_16bit", 0, False),
+    ("gpu.", "hbm_tbps", 0, False),
+    ("gpu.", "host_link_gbs", 0, False),
+    ("disk.", "free_gib", 0, False),
+    ("disk.", "read_gbs", 0, False),
+    ("disk.", "write_gbs", 0, False),
+)
+
+
+def figure_problems(data: dict) -> list[str]:
+    """Pure: the profile's figures that are no number, not finite or out of range (a YAML 1e9 is a string)."""
+    problems = []
+    for where, key, least, above in PROFILE_FIGURES:
+        section = data.get(where.rstrip(".")) if where else data
+        if isinstance(section, dict) and key in section:
+            if problem := _number_problem(section[key], least, above):
+                problems.append(f"{where}{key} {problem}")
+    return problems
 
 
 INTERCONNECTS = ("nvlink", "pcie", "none")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+from . import UserError
 from .hardware import GPUSpec, HardwareProfile
 from .memory import badam_block_params, coefficients, layer_norms_run_in_fp32, liger_loss_chunk_rows
 from .model_spec import FUSED_GATE_UP, FUSED_QKV, ModelSpec
 from .plan import Plan
 from .plugin import run_kernels, token_budget
+from .quoting import comment_text
 from .strategy import Offload, Optimizer
 
 # master weights (lfa plugin), by construction: each micro-batch adds the 16-bit weight gradients into the fp32
@@ -67,6 +69,12 @@ def predict_tokens_per_s(
     a micro-batch's kernels while the GPU runs the previous ones, so a micro-batch takes the longer of the two;
     then the optimizer step, DeepSpeed offload and gradient exchange once per step. length_quantiles: the data's
     row-length profile (data.length_quantiles), where lfa generate read the data."""
+    if hardware.has_gpu and not hardware.gpu.peak_tflops_16bit > 0:
+        raise UserError(
+            f"lfa does not know the {comment_text(hardware.gpu.name)[:80]}'s dense 16-bit TFLOP/s, which plans are "
+            "priced by: save a profile (lfa detect --save my-gpu.yaml), set gpu.peak_tflops_16bit and gpu.hbm_tbps "
+            "from the card's datasheet, and pass --hardware my-gpu.yaml"
+        )
     t = coefficients()["throughput"]
     fill = 0.98 if plan.packing else mean_seq_fraction
     # without packing a micro-batch is padded to its longest row: about cutoff_len unless it is a single row, or

@@ -198,6 +198,39 @@ def test_unreadable_dataset_and_bad_profile_file(tmp_path):
     assert result.returncode == 2 and "not valid" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_profile_figure_out_of_range_is_named_and_an_unknown_card_peak_is_asked_for(tmp_path):
+    """Every figure a profile file gives is checked (all named at once); a card lfa has no TFLOP/s for is one
+    message saying which figure to declare, never a division by zero."""
+    profile = tmp_path / "box.yaml"
+    profile.write_text(
+        'gpu: {name: X, vram_gib: 1e9, compute_capability: "8.0", peak_tflops_16bit: .nan, hbm_tbps: -1}\n'
+        "cpu_cores: 0\nram_gib: 64\n"
+    )
+    result = run_lfa("generate", "--task", "pseudo2norm", "--hardware", profile, "-o", tmp_path / "o")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    for named in (
+        "gpu.vram_gib is the text '1e9'",
+        "gpu.peak_tflops_16bit is nan",
+        "gpu.hbm_tbps is -1",
+        "cpu_cores is 0",
+    ):
+        assert named in result.stderr, (named, result.stderr)
+    assert " ram_gib is" not in result.stderr and not (tmp_path / "o").exists()
+    profile.write_text('gpu: {name: RTX 6000 Ada Generation, vram_gib: 47.5, compute_capability: "8.9"}\nram_gib: 64\n')
+    for args in (("generate", "--task", "pseudo2norm", "-o", tmp_path / "o"), ("estimate", "--task", "pseudo2norm")):
+        result = run_lfa(*args, "--hardware", profile)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "gpu.peak_tflops_16bit" in result.stderr and "RTX 6000 Ada" in result.stderr
+    profile.write_text(
+        'gpu: {name: RTX 6000 Ada Generation, vram_gib: 47.5, compute_capability: "8.9", '
+        "peak_tflops_16bit: 364.2, hbm_tbps: 0.96}\nram_gib: 64\n"
+    )
+    result = run_lfa(
+        "estimate", "--task", "pseudo2norm", "--model", "LLM4Binary/llm4decompile-1.3b-v2", "--hardware", profile
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_existing_recipe_is_not_overwritten_without_force(tmp_path):
     args = [
         "generate",
