@@ -73,8 +73,10 @@ def test_recipes_with_yaml_aliases_or_megabytes_are_refused_at_once(tmp_path):
     assert result.returncode == 2 and "alias" in result.stderr and time.time() - started < 30
     huge = tmp_path / "huge.yaml"
     huge.write_text("output_dir: out\n" + "# padding\n" * 200_000)
-    result = run_lfa("review", huge)
-    assert result.returncode == 2 and "MiB" in result.stderr and "Traceback" not in result.stderr
+    result = run_lfa("review", huge, laughs)  # each refused as its recipe's finding, both reported
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{huge}:1: error: [unreadable_recipe]" in result.stdout and "MiB" in result.stdout
+    assert f"{laughs}:1: error: [unreadable_recipe]" in result.stdout and "alias" in result.stdout
 
 
 def test_bad_dataset_lines_are_named_before_anything_starts_in_train_and_detach(cpu_recipe, tmp_path):
