@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def _is_count(value) -> bool:
 
 
 # what each header key lfa reads back must hold (the header is data from a file: a hand edit or a PR may change it)
-HEADER_VALUES: dict[str, tuple[str, object]] = {
+HEADER_VALUES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "mean_seq_fraction": ("a number in (0, 1]", lambda v: _is_number(v) and 0.0 < v <= 1.0),
     "dataset_rows": ("a row count", _is_count),
     "effective_batch_size": ("a row count", _is_count),
