@@ -488,3 +488,21 @@ def test_a_hostile_header_value_is_one_message_in_every_command(field, value, cp
         ("unreadable_recipe", True)
     ]
     assert reviews[1]["summary"] and not any(f["severity"] == "error" for f in reviews[1]["findings"])
+
+
+def test_counts_that_are_no_counts_are_one_message_where_a_recipe_is_priced(cpu_recipe):
+    """cutoff_len, the micro-batch and the accumulation are read in one place: estimate, train and diff say which
+    value is wrong instead of pricing a negative cutoff or tracing back on text."""
+    clean = cpu_recipe("max_steps=2")
+    for key, value in (("cutoff_len", "abc"), ("cutoff_len", "0"), ("per_device_train_batch_size", "-2")):
+        edited = clean.with_name(f"{key}.yaml")
+        text = clean.read_text()
+        assert f"\n{key}: " in text
+        edited.write_text(
+            "\n".join(f"{key}: {value}" if line.startswith(f"{key}: ") else line for line in text.splitlines())
+        )
+        code, out = invoke("estimate", edited)
+        assert code == 2 and f"{key}: " in out and "is not a positive integer" in out, out
+        code, out = invoke("train", clean, "--set", f"{key}={value}", "--run-dir", clean.parent / "run")
+        assert code == 2 and f"{key}: " in out and "is not a positive integer" in out, out
+        assert not (clean.parent / "run").exists() and not (clean.parent / "saves").exists()  # nothing made

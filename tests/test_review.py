@@ -166,9 +166,27 @@ def _dataset_typo(recipe):
     return "dataset", "error", "dataset_undefined"
 
 
+def _zero_micro_batch(recipe):  # a batch of 0 rows: LLaMA-Factory's parser takes it (an int), training cannot
+    _edit(recipe, r"^per_device_train_batch_size: \d+", "per_device_train_batch_size: 0")
+    return "per_device_train_batch_size", "error", "not_a_count"
+
+
+def _negative_cutoff(recipe):
+    _edit(recipe, r"^cutoff_len: \d+", "cutoff_len: -5")
+    return "cutoff_len", "error", "not_a_count"
+
+
+def _cutoff_not_a_number(recipe):  # lfa's summary goes on at LLaMA-Factory's default; the parser names the type
+    _edit(recipe, r"^cutoff_len: \d+", "cutoff_len: abc")
+    return "cutoff_len", "error", "wrong_type"
+
+
 @pytest.mark.parametrize(
     "mistake",
     [
+        _zero_micro_batch,
+        _negative_cutoff,
+        _cutoff_not_a_number,
         _seed_bf16,
         _deepspeed_without_torchrun,
         _stock_offload_config,

@@ -304,7 +304,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
     from ..memory import host_memory
     from ..model_spec import load_model_spec
     from ..planner import PlanOptions, plan
-    from ..recipe.read import load_recipe, plan_from_recipe, recipe_hardware, recipe_model_spec
+    from ..recipe.read import load_recipe, plan_from_recipe, recipe_cutoff, recipe_hardware, recipe_model_spec
     from ..tasks import load_task
 
     if recipe:
@@ -313,7 +313,7 @@ def estimate(recipe, task, model, hardware, allow_packing, as_json):
         p = plan_from_recipe(r, hw)
         spec = recipe_model_spec(r, model=model)
         mem = run_estimate(
-            spec, p, int(r.data.get("cutoff_len", 2048)), hw.gpu.vram_gib if hw.has_gpu else None,
+            spec, p, recipe_cutoff(r), hw.gpu.vram_gib if hw.has_gpu else None,
             generate_headroom(spec, hw),
         )  # fmt: skip
         host = host_memory(spec, p, hw)

@@ -121,6 +121,7 @@ def _refuse_broken_recipe(recipe: Path, hardware: str | None) -> None:
     # what no retry can fix (failures lfa recovers from, like a predicted OOM or bf16 on a V100, do not block)
     fatal = {
         "unreadable_recipe",
+        "not_a_count",
         "unknown_key",
         "wrong_type",
         "yaml_boolean",

@@ -221,11 +221,41 @@ def nvme_swap_folders(deepspeed_config: dict) -> list[str]:
     )
 
 
-def _int_key(recipe: Recipe, key: str, default: int) -> int:
-    value = recipe.data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+LLAMAFACTORY_CUTOFF_LEN = 2048  # LLaMA-Factory's default cutoff_len (DataArguments)
+# the recipe's counts lfa reads: each must be a whole number of at least 1, and each has LLaMA-Factory's default
+COUNT_KEYS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "cutoff_len": LLAMAFACTORY_CUTOFF_LEN}
+
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def count_problems(recipe: Recipe) -> list[str]:
+    """Pure: each count key whose value is not a positive integer, one line each."""
+    return [
+        f"{key}: {comment_text(repr(recipe.data[key]))[:40]} is not a positive integer"
+        for key in COUNT_KEYS
+        if key in recipe.data and not is_positive_int(recipe.data[key])
+    ]
+
+
+def _int_key(recipe: Recipe, key: str) -> int:
+    value = recipe.data.get(key, COUNT_KEYS[key])
+    if not is_positive_int(value):
         raise UserError(f"{recipe.path}: {key}: {value!r} is not a positive integer")
     return value
+
+
+def recipe_cutoff(recipe: Recipe) -> int:
+    """The recipe's cutoff_len (LLaMA-Factory's default where it sets none); UserError if it is not a count."""
+    return _int_key(recipe, "cutoff_len")
+
+
+def readable_count(data: dict, key: str) -> int:
+    """A count key's value, or LLaMA-Factory's default where the value is not a positive integer (a review goes on
+    with it; its rule reports the value)."""
+    value = data.get(key, COUNT_KEYS[key])
+    return value if is_positive_int(value) else COUNT_KEYS[key]
 
 
 def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | None = None) -> Plan:
@@ -235,8 +265,8 @@ def plan_from_recipe(recipe: Recipe, hardware: HardwareProfile, workdir: Path | 
             recipe.meta,
             hardware,
             deepspeed_setup(recipe, workdir),
-            _int_key(recipe, "per_device_train_batch_size", 1),
-            _int_key(recipe, "gradient_accumulation_steps", 1),
+            _int_key(recipe, "per_device_train_batch_size"),
+            _int_key(recipe, "gradient_accumulation_steps"),
         )
     except ValueError as exc:  # a value outside lfa's vocabularies, e.g. flash_attn: flash
         raise UserError(f"{recipe.path}: {exc}") from None

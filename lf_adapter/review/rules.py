@@ -16,7 +16,7 @@ from ..measured import generate_headroom
 from ..memory import disk_gib, disk_limit_gib, estimate, host_memory
 from ..model_spec import ModelSpec
 from ..plan import Plan
-from ..recipe.read import Recipe, launch_script, nvme_swap_folders
+from ..recipe.read import COUNT_KEYS, Recipe, launch_script, nvme_swap_folders, readable_count
 from ..strategy import CONSTRAINTS, Offload, violations
 from ..tasks import TaskSpec, chat_template_files, load_task, task_files
 from .findings import Finding, raw_scalars
@@ -276,6 +276,15 @@ def effective_batch_of_the_task(c: RuleContext) -> None:
         )
 
 
+@rule("not_a_count")
+def counts_are_positive(c: RuleContext) -> None:
+    for key in COUNT_KEYS:  # a value of the wrong type is LLaMA-Factory's own wrong_type finding
+        value = c.d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            c.add("error", "not_a_count", f"`{key}: {value}`: must be at least 1 (memory and speed below assume "
+                  f"{readable_count(c.d, key)})", key)  # fmt: skip
+
+
 @rule("exponent_float")
 def exponent_floats(c: RuleContext) -> None:
     for key, raw in raw_scalars(c.recipe.text).items():
@@ -498,7 +507,8 @@ def gpu_memory(c: RuleContext) -> None:
     gpu, plan = c.gpu, c.plan
     if c.spec is None or gpu is None:
         return
-    mem = estimate(c.spec, plan, int(c.d.get("cutoff_len", 2048)), gpu.vram_gib, generate_headroom(c.spec, c.hardware))
+    cutoff = readable_count(c.d, "cutoff_len")
+    mem = estimate(c.spec, plan, cutoff, gpu.vram_gib, generate_headroom(c.spec, c.hardware))
     if mem.reserved_gib > gpu.vram_gib:
         c.add(
             "error",

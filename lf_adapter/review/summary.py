@@ -11,7 +11,7 @@ from ..hardware import HardwareProfile
 from ..model_spec import ModelSpec
 from ..plan import Plan
 from ..planner import predict
-from ..recipe.read import Recipe, dataset_entries
+from ..recipe.read import Recipe, dataset_entries, readable_count
 from ..strategy import Offload
 from ..throughput import speed_basis
 
@@ -52,7 +52,7 @@ def summarize(
     recipe: Recipe, hardware: HardwareProfile, plan: Plan, spec: ModelSpec | None, workdir: Path | None = None
 ) -> ReviewSummary:
     d = recipe.data
-    cutoff = int(d.get("cutoff_len", 2048))
+    cutoff = readable_count(d, "cutoff_len")
     fraction, quantiles, tokens_basis = _row_lengths(recipe, workdir or recipe.folder, cutoff, plan)
     summary = ReviewSummary(
         hardware=hardware.name,

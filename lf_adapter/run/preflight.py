@@ -21,6 +21,7 @@ from ..plugin import contract
 from ..quoting import host_problem, port_problem, run_name_problem
 from ..recipe.read import (
     Recipe,
+    count_problems,
     dataset_entries,
     dataset_files,
     file_fingerprint,
@@ -28,6 +29,7 @@ from ..recipe.read import (
     nvme_swap_folders,
     parse_sets,
     plan_from_recipe,
+    recipe_cutoff,
     recipe_hardware,
     recipe_model_spec,
 )
@@ -181,7 +183,7 @@ def recovery_context(
         model_cached=model_dir.is_dir(),
         scheduler_kwargs=kwargs if isinstance(kwargs, dict) else None,
         model=load_model_spec(emulated) if emulated else trained,
-        seq_len=int(recipe.data.get("cutoff_len") or 2048),
+        seq_len=recipe_cutoff(recipe),
         mean_seq_fraction=mean_fraction,
         length_quantiles=quantiles,
         liger_available=liger_available,
@@ -195,7 +197,7 @@ def attempt_prediction(recipe: Recipe, hardware: HardwareProfile, plan: Plan, mo
     """What the memory and throughput models predict for an attempt's plan, kept beside what it measured."""
     if model is None:
         return {}
-    seq_len = int(recipe.data.get("cutoff_len") or 2048)
+    seq_len = recipe_cutoff(recipe)
     c = predict(model, plan, hardware, seq_len, *row_lengths_from_meta(recipe.meta))
     # on a CPU the speed "model" is a rough FLOP rate, and far below the sizes it was checked on a step is bound by
     # kernel launches: no prediction to hold a measurement against
@@ -277,6 +279,9 @@ def preflight(request: TrainRequest, before_detach: bool = False) -> Preflight:
     effective = Recipe(recipe.path, {**recipe.data, **user_keys}, recipe.meta, recipe.text)
     if "output_dir" not in effective.data:
         raise UserError(f"{recipe.path} has no output_dir")
+    problems = count_problems(effective)
+    if problems:  # before any folder is made or locked
+        raise UserError(f"{recipe.path}: " + "; ".join(problems))
     name = request.name or recipe.folder.resolve().name
     problem = run_name_problem(name)
     if problem:

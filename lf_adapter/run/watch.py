@@ -12,6 +12,7 @@ from typing import BinaryIO
 from ..measured import OVER_PREDICTION, MeasuredPeak, card_key, now_iso, record_peak, shape_key
 from ..nvml_session import gpu_used_gib
 from ..plugin import contract, run_kernels
+from ..recipe.read import recipe_cutoff
 from .ledger import (
     AttemptRecord,
 )
@@ -241,7 +242,7 @@ def peak_above_prediction(setup: RunSetup, record: AttemptRecord, state: dict) -
         shape=shape_key(setup.trained_model),
         card=card_key(setup.hardware),
         plan=record.plan,
-        seq_len=int(setup.effective.data.get("cutoff_len") or 2048),
+        seq_len=recipe_cutoff(setup.effective),
         predicted_reserved_gib=predicted,
         measured_reserved_gib=measured,
         measured_allocated_gib=state.get("gpu_allocated_gib") or measured,
