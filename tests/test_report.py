@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _events, run_lfa
+from lf_adapter.run.control import run_status
 from lf_adapter.run.ledger import AttemptRecord, RunLedger, read_ledger, write_ledger
 from lf_adapter.run.process import process_record
 from lf_adapter.run.report import FIGURES, collect, summary_lines, write_report
@@ -234,10 +235,14 @@ def test_events_that_are_not_steps_are_left_out_and_said(tmp_path):
     run_dir = _run_folder(tmp_path, status="succeeded")
     with (run_dir / "events.jsonl").open("a") as fh:  # after the cut line _run_folder leaves
         fh.write('\n{"event": "step", "global_step": "7b", "attempt": 2}\n[1, 2]\n')
+        fh.write('{"event": "log", "loss": "low"}\n')
+        fh.write('{"event": "step", "max_steps": [], "step_tokens": "x", "step_time_s": 0}\n')
     report, page = write_report(run_dir)
     text = page.read_text()
-    assert "2 line(s) that are not events and 1 step event(s) without an integer step" in text
+    assert "2 line(s) that are not events and 2 step event(s) without an integer step" in text
     assert sorted(report.series[2].steps) == [5, 6, 7, 8]
+    status = run_status(run_dir)  # `lfa status` reads the same tail: nothing of the wrong type is shown
+    assert status.step is None and status.total_steps is None and isinstance(status.loss, (float, type(None)))
 
 
 def test_the_page_escapes_what_runs_and_recipes_put_in_it(tmp_path):

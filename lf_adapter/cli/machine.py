@@ -216,12 +216,10 @@ def demo(root, rows, max_steps):
 
 def loss_curve_text(trainer_log: Path, width: int = 40) -> str:
     """One line per logged step: step, loss and a bar scaled between the lowest and highest loss."""
+    from ..run.monitor import json_record
+
     points = []
-    for line in trainer_log.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in filter(None, map(json_record, trainer_log.read_text(errors="replace").splitlines())):
         if isinstance(record.get("loss"), (int, float)) and record["loss"] == record["loss"]:
             points.append((record.get("current_steps"), float(record["loss"])))
     if not points:

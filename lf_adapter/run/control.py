@@ -4,7 +4,6 @@ stop reaches torchrun's workers too and nothing is left holding a GPU."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 from .. import UserError
 from .ledger import FINAL_STATES as FINAL
 from .ledger import LEDGER_NAME, SUPERVISOR_FILE, RunLedger, read_ledger, write_ledger
-from .monitor import FileFollower, fold_event
+from .monitor import FileFollower, fold_event, json_record
 from .process import ProcessRecord, is_recorded_process, record_from_dict, recorded_group_alive
 
 
@@ -61,11 +60,8 @@ def _last_events(run_dir: Path) -> dict:
         fh.seek(start)
         lines = fh.read().decode("utf-8", errors="replace").splitlines()[1 if start else 0 :]
     state: dict = {}
-    for line in lines:
-        try:
-            fold_event(state, json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    for record in filter(None, map(json_record, lines)):
+        fold_event(state, record)
     step, total = state.get("step"), state.get("total")
     eta = (total - step) * state["step_time_s"] if step is not None and total and state.get("step_time_s") else None
     return {

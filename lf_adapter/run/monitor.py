@@ -180,28 +180,46 @@ class FileFollower:
         return data
 
 
+def json_record(line: str) -> dict | None:
+    """One line of a JSON-lines file lfa reads (events.jsonl, LLaMA-Factory's trainer_log.jsonl) as an object; None
+    for a line cut by a kill, damaged, or holding another JSON value."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _positive(value) -> float | None:
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(number) if number is not None and math.isfinite(number) and number > 0 else None
+
+
 def fold_event(state: dict, event: dict) -> None:
     """Fold one lfa plugin event (events.jsonl) into a progress state: step and total, tokens/s (smoothed over
-    steps), loss, torch's peak reserved memory."""
+    steps), loss, torch's peak reserved memory. A field of the wrong type is left out, not trusted."""
     if event.get("event") == "step":
-        state["step"], state["total"] = event.get("global_step"), event.get("max_steps")
-        if isinstance(event.get("global_step"), int):  # several events can arrive in one read: keep the first
-            state["first_step"] = min(state.get("first_step") or event["global_step"], event["global_step"])
-        if event.get("step_tokens") and event.get("step_time_s"):
-            rate = event["step_tokens"] / event["step_time_s"]
+        step = _count(event.get("global_step"))
+        state["step"], state["total"] = step, _count(event.get("max_steps"))
+        if step is not None:  # several events can arrive in one read: keep the first
+            state["first_step"] = min(state.get("first_step") or step, step)
+        tokens, seconds = _positive(event.get("step_tokens")), _positive(event.get("step_time_s"))
+        if tokens and seconds:
+            rate = tokens / seconds
             previous = state.get("tokens_per_s")
             state["tokens_per_s"] = rate if previous is None else 0.7 * previous + 0.3 * rate
-        if event.get("step_time_s"):
+        if seconds:
             previous = state.get("step_time_s")
-            state["step_time_s"] = (
-                event["step_time_s"] if previous is None else 0.7 * previous + 0.3 * event["step_time_s"]
-            )
-    if event.get("event") == "log" and "loss" in event:
+            state["step_time_s"] = seconds if previous is None else 0.7 * previous + 0.3 * seconds
+    if event.get("event") == "log" and isinstance(event.get("loss"), (int, float)):
         state["loss"] = event["loss"]
-    if "gpu_reserved_gib" in event:
-        state["gpu_reserved_gib"] = event["gpu_reserved_gib"]
-    if "gpu_allocated_gib" in event:
-        state["gpu_allocated_gib"] = event["gpu_allocated_gib"]
+    for key in ("gpu_reserved_gib", "gpu_allocated_gib"):
+        if _positive(event.get(key)) is not None:
+            state[key] = event[key]
 
 
 def _finite(value) -> bool:
@@ -222,9 +240,8 @@ class TrainerLogWatcher:
     def poll(self) -> list[dict]:
         records = []
         for line in self.reader.feed(self.follower.read_new()):
-            try:
-                record = json.loads(line)  # json accepts the NaN that LF writes
-            except json.JSONDecodeError:
+            record = json_record(line)  # json accepts the NaN that LF writes
+            if record is None:
                 continue
             if "loss" in record or "grad_norm" in record:
                 bad = not (_finite(record.get("loss")) and _finite(record.get("grad_norm")))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import json
 import math
 import os
 import statistics
@@ -18,6 +17,7 @@ from .control import run_state
 
 # per-step numbers of the plugin's step events, read into AttemptSeries lists of the same names
 from .ledger import FINAL_STATES, AttemptRecord, RunLedger, read_ledger
+from .monitor import json_record
 
 FIGURES = ("loss", "throughput", "memory", "gpu", "lr")  # the PNGs figures.draw_figures writes
 STEP_FIELDS = (
@@ -107,15 +107,11 @@ def _read_events(path: Path) -> tuple[list[dict], int]:
         return [], 0
     events, skipped = [], 0
     for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
+        event = json_record(line)
+        if event is None:
             skipped += line.strip() != ""
-            continue
-        if isinstance(event, dict):
-            events.append(event)
         else:
-            skipped += 1
+            events.append(event)
     return events, skipped
 
 

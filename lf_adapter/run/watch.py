@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from .monitor import (
     classify,
     failure_class,
     fold_event,
+    json_record,
 )
 from .preflight import RunSetup
 from .process import (
@@ -40,16 +40,8 @@ def attempt_peak_rss_gib(events_file: Path, attempt: int) -> float | None:
         lines = events_file.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if (
-            isinstance(event, dict)
-            and event.get("attempt") == attempt
-            and isinstance(event.get("host_rss_gib"), (int, float))
-        ):
+    for event in filter(None, map(json_record, lines)):
+        if event.get("attempt") == attempt and isinstance(event.get("host_rss_gib"), (int, float)):
             peak = max(peak or 0.0, float(event["host_rss_gib"]))
     return peak
 
@@ -57,11 +49,7 @@ def attempt_peak_rss_gib(events_file: Path, attempt: int) -> float | None:
 def _read_events(events_follower: FileFollower, reader: LineReader, state: dict) -> bool:
     """Fold new plugin events into the progress state; True when something arrived."""
     changed = False
-    for line in reader.feed(events_follower.read_new()):
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for event in filter(None, map(json_record, reader.feed(events_follower.read_new()))):
         changed = True
         fold_event(state, event)
     return changed
