@@ -262,6 +262,13 @@ def test_detect_reports_cpu_and_saves_a_loadable_profile(tmp_path):
     }
     loaded = load_profile(str(tmp_path / "me.yaml"))
     assert loaded.gpus_per_node == report["profile"]["gpus_per_node"]
+    # an existing file (here a recipe) is never replaced without --force
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text("model_name_or_path: m\n")
+    refused = run_lfa("detect", "--no-network", "--save", recipe)
+    assert refused.returncode == 2 and "--force" in refused.stderr and recipe.read_text() == "model_name_or_path: m\n"
+    assert run_lfa("detect", "--no-network", "--save", recipe, "--force").returncode == 0
+    assert load_profile(str(recipe)).gpus_per_node == report["profile"]["gpus_per_node"]
 
 
 def test_a_model_far_below_the_checked_sizes_gets_no_speed_to_be_held_to(demo_assets, tmp_path):

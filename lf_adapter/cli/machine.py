@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .. import UserError
 from . import main, user_errors
 from .plans import print_plan
 
@@ -22,8 +23,9 @@ from .plans import print_plan
     help="Measure the swap disk's sequential O_DIRECT write/read rates "
     "(1 GiB through a folder lfa creates and removes) for NVMe offload plans; --save keeps them.",
 )
+@click.option("--force", is_flag=True, help="Let --save replace an existing file.")
 @user_errors
-def detect(as_json, save, no_network, measure_disk):
+def detect(as_json, save, no_network, measure_disk, force):
     """GPUs, CPU, disk, installed training stack and hub reachability.
 
     Example: lfa detect --save my-box.yaml && lfa generate --task pseudo2norm --hardware my-box.yaml
@@ -31,6 +33,8 @@ def detect(as_json, save, no_network, measure_disk):
     from ..hardware import detect as run_detect
     from ..hardware import save_profile
 
+    if save and Path(save).exists() and not force:  # before detecting: a recipe or a hand-edited profile stays
+        raise UserError(f"--save {save}: the file exists; pass --force to replace it, or save under another name")
     report = run_detect(check_network=not no_network, measure=measure_disk)
     if save:
         save_profile(report.profile, Path(save))

@@ -101,6 +101,9 @@ MAX_RECIPE_BYTES = 1 << 20  # a LLaMA-Factory recipe is a few kB
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
+    if path.is_dir():
+        inside = " (it holds train.yaml: pass that)" if (path / "train.yaml").is_file() else ""
+        raise UserError(f"recipe {path} is a folder, not a recipe file{inside}")
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist")
     try:

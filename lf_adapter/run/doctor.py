@@ -33,7 +33,14 @@ class Diagnosis:
 
 def read_log(path: Path) -> list[str]:
     if not path.is_file():
-        raise UserError(f"log {path} does not exist")
+        what = (
+            "is a folder, not a log file"
+            if path.is_dir()
+            else "is not a regular file"
+            if path.exists()
+            else "does not exist"
+        )
+        raise UserError(f"log {path} {what}")
     reader = LineReader(tail=2000)
     try:
         with path.open("rb") as fh:
