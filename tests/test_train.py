@@ -64,7 +64,8 @@ def test_detached_run_survives_its_launcher_then_status_logs_and_stop(cpu_recipe
     [state] = json.loads(status.stdout)
     assert state["state"] == "running" and state["step"] >= 2 and state["total_steps"] == 400
     logs = run_lfa("logs", run_dir, "-n", "5")
-    assert logs.returncode == 0 and logs.stdout.strip()
+    assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 5
+    assert run_lfa("logs", run_dir, "-n", "0").stdout == "" and run_lfa("logs", run_dir, "-n", "-1").returncode == 2
     trainer = _ledger(run_dir)["attempts"][0]["trainer_pid"]
     stopped = run_lfa("stop", run_dir, "--timeout", "60")
     assert stopped.returncode == 0 and "stopped (graceful)" in stopped.stdout, stopped.stdout + stopped.stderr

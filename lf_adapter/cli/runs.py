@@ -212,7 +212,14 @@ def status_table(statuses) -> str:
 @main.command()
 @click.argument("run")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends (across retries).")
-@click.option("-n", "--lines", type=int, default=40, show_default=True, help="Lines of the newest attempt log first.")
+@click.option(
+    "-n",
+    "--lines",
+    type=click.IntRange(min=0),
+    default=40,
+    show_default=True,
+    help="Lines of the newest attempt log first.",
+)
 @user_errors
 def logs(run, follow, lines):
     """The newest attempt's log of RUN (a run directory or a name under ./runs).

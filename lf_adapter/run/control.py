@@ -174,7 +174,8 @@ def follow_logs(run_dir: Path, follow: bool, lines: int, out, poll_s: float = 0.
     follower = None
     if current is not None:
         text = current.read_bytes().decode("utf-8", errors="replace").replace("\r", "\n").splitlines()
-        out.write("\n".join(text[-lines:]) + ("\n" if text else ""))
+        shown = text[len(text) - lines :] if lines else []  # text[-0:] would be the whole log
+        out.write("\n".join(shown) + ("\n" if shown else ""))
         follower = FileFollower(current)
         follower.offset = current.stat().st_size
     while follow:
