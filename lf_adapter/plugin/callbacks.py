@@ -164,7 +164,7 @@ class EventsCallback(TrainerCallback):
             grad_accum=args.gradient_accumulation_steps,
             world_size=args.world_size,
             sampler=SAMPLER["name"],
-            token_budget=int(os.environ.get(contract.TOKEN_BUDGET, "0") or 0),
+            token_budget=contract.env_count(contract.TOKEN_BUDGET),
             gc_frozen_objects=GC_FROZEN["objects"],
         )
 

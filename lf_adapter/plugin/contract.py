@@ -2,6 +2,8 @@
 processes: one name each, imported by both sides. boot/sitecustomize.py, which runs before any import, spells
 LFA_REQUIRE_PLUGIN itself."""
 
+import os
+
 # set by launch_env for the plan (launch.sh and lfa train)
 DROP_PADDING_MASK = "LFA_DROP_PADDING_MASK"  # "1": right-padded batches train without a padding mask
 PADDING_FREE = "LFA_PADDING_FREE"  # "1": each micro-batch's rows flattened, attention kept per row
@@ -36,3 +38,10 @@ INJECT_NAN_AT_STEP = "LFA_INJECT_NAN_AT_STEP"
 STEP_DELAY_S = "LFA_STEP_DELAY_S"
 INJECT_PEAK_GIB = "LFA_INJECT_PEAK_GIB"  # report this GPU peak (GiB) where there is no GPU
 BENCH_SKIP_FINAL_SAVE = "LFA_BENCH_SKIP_FINAL_SAVE"
+
+
+def env_count(name: str) -> int:
+    """A count the supervisor sets in the environment (a token budget, a number of layers); 0 where it is unset or
+    is not a whole number (a hand-set value must not stop training inside LLaMA-Factory)."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else 0

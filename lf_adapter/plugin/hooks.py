@@ -102,16 +102,11 @@ def _wrap_run_exp(tuner_module) -> None:
     tuner_module.run_exp = run_exp
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else 0
-
-
 def _step_batches(trainer, args) -> None:
     """Token-budget micro-batches (LFA_TOKEN_BUDGET): one batch per optimizer step, accumulation 1; training_step
     cuts it. Before the Trainer is built, so that its data loader, accelerator and schedule see the new numbers.
     Not under DeepSpeed or FSDP, whose engines own accumulation: those train the recipe's fixed micro-batches."""
-    budget = _env_int(contract.TOKEN_BUDGET)
+    budget = contract.env_count(contract.TOKEN_BUDGET)
     if not budget or args is None:
         return
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
@@ -313,7 +308,7 @@ def _set_up_model(model) -> None:
     if backend:
         compiled = compile_decoder_layers(model, backend)
         print(f"lfa: {compiled} decoder layers under torch.compile ({contract.COMPILE_LAYERS}={backend})", flush=True)
-    layers = _env_int(contract.CHECKPOINT_LAYERS)
+    layers = contract.env_count(contract.CHECKPOINT_LAYERS)
     if layers:
         done = checkpoint_first_layers(model, layers)
         print(
@@ -361,7 +356,7 @@ def _patch_collator(collator_module) -> None:
         batch = original_call(self, features)
         if self.block_diag_attn:  # LLaMA-Factory's neat_packing: its own mask
             return batch
-        if _env_int(contract.TOKEN_BUDGET):  # the trainer cuts each step's rows (evaluation batches stay padded)
+        if contract.env_count(contract.TOKEN_BUDGET):  # the trainer cuts each step (eval stays padded)
             return batch
         # both run in the data workers, on the CPU: no GPU sync
         if (
