@@ -51,9 +51,8 @@ class PlanOptions:
     padding_free: bool = True  # rows flattened where the exact varlen kernel exists (sm80+); --no-padding-free
     token_budget: bool = True  # micro-batches cut by a token budget (GPU plans without DeepSpeed); --no-token-budget
     master_weights: bool = True  # 16-bit model, fp32 masters (GPU plans on one process); --no-master-weights
-    mean_seq_fraction: float = (
-        ASSUMED_MEAN_SEQ_FRACTION  # mean non-pad length / cutoff_len, when the dataset was not profiled
-    )
+    # mean non-pad length / cutoff_len, when the dataset was not profiled
+    mean_seq_fraction: float = ASSUMED_MEAN_SEQ_FRACTION
     length_quantiles: tuple[float, ...] = ()  # the profiled data's row lengths (data.length_quantiles)
     fixed: dict = field(default_factory=dict)  # plan fields the user pinned, e.g. {"precision": "fp16"}
     # recovery after an OOM (remedies.replan_after_oom): what the log showed

@@ -10,7 +10,7 @@ from .. import UserError
 from ..hardware import profile_from_dict
 from ..strategy import Offload
 from .keys import OPTIMIZER_KEYS, PLUGIN_SETTINGS, optimizer_from_keys, precision_from_keys
-from .read import Recipe, deepspeed_setup
+from .read import Recipe, deepspeed_setup, is_positive_int
 
 # Keys whose change changes what the model learns (numerics, data, schedule); their order is the report's order.
 RESULT_KEYS = [
@@ -91,8 +91,9 @@ def semantic_view(recipe: Recipe) -> dict:
     data.pop("bf16", None), data.pop("fp16", None)
     data["world_size"] = world
     batch = [data.get("per_device_train_batch_size", 1), data.get("gradient_accumulation_steps", 1)]
-    counts = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in batch)
-    data["effective_batch_size"] = batch[0] * batch[1] * world if counts else "not whole numbers"
+    data["effective_batch_size"] = (
+        batch[0] * batch[1] * world if all(map(is_positive_int, batch)) else "not whole numbers"
+    )
     if data.get("deepspeed"):
         try:  # the base ref's JSON may be missing: the diff still shows the rest
             stage, offload = deepspeed_setup(recipe)

@@ -12,8 +12,10 @@ from .. import UserError
 from ..model_spec import ModelSpec
 from ..recipe.diff import semantic_diff, semantic_view
 from ..recipe.read import (
+    COUNT_KEYS,
     Recipe,
     deepspeed_setup,
+    is_positive_int,
     load_recipe,
     plan_from_recipe,
     recipe_hardware,
@@ -88,13 +90,7 @@ def review_recipe(
         # the summary plans without what cannot be read
         unreadable_ds = bool(recipe.data.get("deepspeed"))
         readable = {
-            k: v
-            for k, v in recipe.data.items()
-            if k != "deepspeed"
-            and not (
-                k in ("per_device_train_batch_size", "gradient_accumulation_steps")
-                and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
-            )
+            k: v for k, v in recipe.data.items() if k != "deepspeed" and (k not in COUNT_KEYS or is_positive_int(v))
         }
         plan = plan_from_recipe(Recipe(recipe.path, readable, recipe.meta, recipe.text), hw)
         try:
